@@ -1,0 +1,1 @@
+"""Objectives: one file per method, each a pure loss function returning ``(loss, stats)``."""

@@ -1,0 +1,104 @@
+"""Flow-GRPO's SDE step for rectified-flow models, with exact per-step log-probabilities.
+
+Notation (``../shared/METHODS.md`` §1): x_σ = (1 − σ)·x0 + σ·ε, the model predicts v ≈ ε − x0,
+one step goes from σ to σ' < σ with dt = σ' − σ. The ODE (Euler) step is x' = x + v·dt. The SDE
+step samples x' ~ N(μ, std²) with
+
+    σ_t = η·sqrt(σ / (1 − σ))                       (σ = 1 uses σ_fallback in the denominator)
+    μ   = x + v·dt + σ_t² / (2σ) · (x + (1 − σ)·v)·dt  (Euler step + score term: keeps the marginals)
+    std = σ_t·sqrt(−dt)
+
+All arithmetic is float32 whatever the model's dtype. The log-density is reduced over every
+non-batch element by ``"mean"`` (what Flow-GRPO and DanceGRPO do; clip ranges are then ~1e-4)
+or ``"sum"`` (the true log-density of the whole latent).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+@dataclass
+class StepOutput:
+    """One transition x → x'. Tensors: prev_sample, mean [B, ...]; std [B, 1, ...] (broadcastable);
+    log_prob [B] (reduced as asked)."""
+
+    prev_sample: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    log_prob: torch.Tensor
+
+
+def _per_sample(value: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
+    """A scalar or [B] value as float32 [B, 1, 1, ...] broadcastable against ``like`` [B, ...]."""
+    value = torch.as_tensor(value, dtype=torch.float32, device=like.device)
+    if value.ndim == 0:
+        value = value.expand(like.shape[0])
+    return value.reshape(-1, *([1] * (like.ndim - 1)))
+
+
+def reduce_elements(values: torch.Tensor, reduction: str) -> torch.Tensor:
+    """values [B, ...] → [B] by ``"mean"`` or ``"sum"`` over all non-batch elements."""
+    if reduction == "mean":
+        return values.flatten(1).mean(1)
+    if reduction == "sum":
+        return values.flatten(1).sum(1)
+    raise ValueError(f"log-prob reduction must be 'mean' or 'sum', got {reduction!r}")
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """log N(x; mean, std²) per element, reduced to [B]. x, mean: [B, ...]; std broadcastable."""
+    x, mean, std = x.float(), mean.float(), std.float()
+    elementwise = -((x - mean) ** 2) / (2 * std**2) - torch.log(std) - LOG_SQRT_2PI
+    return reduce_elements(elementwise, reduction)
+
+
+def ode_step(v: torch.Tensor, x: torch.Tensor, sigma, sigma_next) -> torch.Tensor:
+    """Euler step x' = x + dt·v in float32, the exact arithmetic of diffusers'
+    ``FlowMatchEulerDiscreteScheduler.step``. v, x: [B, ...]; σ, σ': scalars or [B]."""
+    x32 = x.float()
+    dt = _per_sample(sigma_next, x32) - _per_sample(sigma, x32)
+    return x32 + dt * v.float()
+
+
+def flow_grpo_sde_step(
+    v: torch.Tensor,
+    x: torch.Tensor,
+    sigma,
+    sigma_next,
+    eta,
+    *,
+    noise: torch.Tensor | None = None,
+    prev_sample: torch.Tensor | None = None,
+    sigma_fallback: float | None = None,
+    reduction: str = "mean",
+) -> StepOutput:
+    """One Flow-GRPO SDE transition and the log-density of its result.
+
+    v, x: [B, ...] velocity and current latent; σ, σ', η: scalars or [B] (η may also be a
+    per-element std multiplier of x's shape, for learned exploration noise). Give ``noise``
+    ([B, ...], standard normal) to sample x' = μ + std·noise, or ``prev_sample`` to score a given
+    x'. ``sigma_fallback`` replaces σ in the denominator 1 − σ where σ = 1 (Flow-GRPO uses the
+    schedule's σ_1). Requires σ' > 0 and η > 0: the last step is an ``ode_step``.
+    """
+    if (noise is None) == (prev_sample is None):
+        raise ValueError("give exactly one of noise (to sample) or prev_sample (to score)")
+    x32, v32 = x.float(), v.float()
+    s, s_next = _per_sample(sigma, x32), _per_sample(sigma_next, x32)
+    eta = torch.as_tensor(eta, dtype=torch.float32, device=x.device)
+    eta = eta if eta.shape == x.shape else _per_sample(eta, x32)
+    denom_sigma = torch.where(s >= 1, torch.full_like(s, sigma_fallback if sigma_fallback is not None else 0.0), s)
+    if sigma_fallback is None and bool((s >= 1).any()):
+        raise ValueError("σ = 1 needs sigma_fallback (the schedule's next σ) to keep 1 − σ > 0")
+    dt = s_next - s
+    sigma_t = eta * torch.sqrt(s / (1 - denom_sigma))
+    mean = x32 + v32 * dt + sigma_t**2 / (2 * s) * (x32 + (1 - s) * v32) * dt
+    std = sigma_t * torch.sqrt(-dt)
+    if prev_sample is None:
+        prev_sample = mean + std * noise.float()
+    return StepOutput(prev_sample.float(), mean, std, gaussian_log_prob(prev_sample, mean, std, reduction))

@@ -1,0 +1,66 @@
+"""The reward protocol and registry.
+
+A reward is a callable ``reward(samples, prompts, metadata) -> dict[str, Tensor[B]]`` returning
+one or more named components; configs weight the components and every component is logged.
+Register one by name with ``@register_reward("name")``; a separately installed package can add
+rewards through the ``flowalign.rewards`` entry-point group (``name = "module:Class"``).
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from typing import Callable
+
+import torch
+
+_REGISTRY: dict[str, Callable[..., "Reward"]] = {}
+ENTRY_POINT_GROUP = "flowalign.rewards"
+
+
+class Reward:
+    """Base class of rewards. Subclasses set ``components`` and implement ``__call__``.
+
+    ``__call__(samples, prompts, metadata)``: samples are decoded outputs (images: float
+    [B, 3, H, W] in [0, 1]); prompts a list of B strings; metadata a list of B dicts. Returns
+    ``{component: float Tensor [B]}``. A NaN marks a sample the reward could not score; the
+    trainer drops such samples and counts them.
+    """
+
+    components: tuple[str, ...] = ()
+
+    def __call__(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+def register_reward(name: str):
+    """Class or factory decorator: ``@register_reward("jpeg_compressibility")``."""
+
+    def wrap(factory):
+        if name in _REGISTRY and _REGISTRY[name] is not factory:
+            raise ValueError(f"reward {name!r} is already registered by {_REGISTRY[name]!r}")
+        _REGISTRY[name] = factory
+        return factory
+
+    return wrap
+
+
+def _load_builtins_and_plugins() -> None:
+    import reward_models.jpeg  # noqa: F401  (registers on import)
+    import reward_models.shapes  # noqa: F401
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in _REGISTRY:
+            _REGISTRY[ep.name] = ep.load()
+
+
+def available_rewards() -> list[str]:
+    _load_builtins_and_plugins()
+    return sorted(_REGISTRY)
+
+
+def build_reward(name: str, **kwargs) -> Reward:
+    """Instantiate a registered reward by name (built-in, plug-in, or registered in a script)."""
+    _load_builtins_and_plugins()
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown reward {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name](**kwargs)
