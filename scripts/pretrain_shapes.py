@@ -116,7 +116,7 @@ def train_flow(pipe, means, stds, captions, steps: int, batch: int, rng: random.
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="pipelines/demo_models/shapes-sd3", help="output folder (diffusers format)")
-    parser.add_argument("--vae-steps", type=int, default=1500)
+    parser.add_argument("--vae-steps", type=int, default=1200)
     parser.add_argument("--vae-batch", type=int, default=32)
     parser.add_argument("--dataset", type=int, default=40_000, help="scenes encoded once for stage 2")
     parser.add_argument("--flow-steps", type=int, default=2400)

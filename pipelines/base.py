@@ -1,0 +1,124 @@
+"""The adapter protocol: what the RL core needs from a model family, and nothing more.
+
+An adapter wraps one diffusers pipeline. The samplers and objectives see only tensors and these
+methods, so a new family is one new file here (``../shared/DESIGN.md``). Shapes: B samples,
+latents ``x`` [B, ...] in the family's layout; ``Conditioning`` holds per-sample tensors [B, ...].
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ContextManager, Protocol
+
+import torch
+from torch import nn
+
+DEMO_MODELS_DIR = Path(__file__).parent / "demo_models"
+
+
+@dataclass
+class Conditioning:
+    """Per-sample model inputs by name; every tensor has the batch as its first dimension."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __getitem__(self, index) -> "Conditioning":
+        """Select samples: ``cond[idx]`` with an int tensor, slice or bool mask over the batch."""
+        return Conditioning({k: v[index] for k, v in self.tensors.items()})
+
+    def repeat_interleave(self, repeats: int) -> "Conditioning":
+        return Conditioning({k: v.repeat_interleave(repeats, dim=0) for k, v in self.tensors.items()})
+
+    def to(self, device) -> "Conditioning":
+        return Conditioning({k: v.to(device) for k, v in self.tensors.items()})
+
+    @staticmethod
+    def cat(parts: list["Conditioning"]) -> "Conditioning":
+        return Conditioning({k: torch.cat([p.tensors[k] for p in parts]) for k in parts[0].tensors})
+
+    def __len__(self) -> int:
+        return len(next(iter(self.tensors.values())))
+
+
+@dataclass
+class Schedule:
+    """What the pipeline's scheduler would use: sigmas float32 [S + 1] (σ_S = 0) and the model's
+    timestep inputs [S]."""
+
+    sigmas: torch.Tensor
+    timesteps: torch.Tensor
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.timesteps)
+
+
+class Adapter(Protocol):
+    """One model family. ``prediction`` is "velocity" (flow matching), "epsilon" or "logits"."""
+
+    prediction: str
+
+    def encode(self, prompts: list[str]) -> Conditioning: ...
+
+    def initial_noise(self, batch: int, generator: torch.Generator) -> torch.Tensor: ...
+
+    def schedule(self, num_steps: int) -> Schedule: ...
+
+    def predict(self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance_scale: float) -> torch.Tensor: ...
+
+    def decode(self, x0: torch.Tensor) -> torch.Tensor: ...
+
+    def trainable(self) -> nn.Module: ...
+
+    def reference(self) -> ContextManager: ...
+
+    def save_trained(self, directory: str | Path) -> None: ...
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model name resolved to nothing loadable; the message lists what was tried."""
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A built-in demo name (``"shapes-sd3"``), a local folder, or else a hub id, unchanged.
+
+    Anything that looks like a path (starts with ``.``, ``/`` or ``~``, or names an existing
+    file) must be an existing folder; the error then says which absolute path was tried.
+    """
+    demo = DEMO_MODELS_DIR / name_or_path
+    if "/" not in name_or_path and demo.is_dir():
+        return str(demo)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return str(path)
+    if name_or_path.startswith((".", "/", "~")) or path.exists() or name_or_path.count("/") > 1:
+        demos = sorted(p.name for p in DEMO_MODELS_DIR.iterdir() if p.is_dir()) if DEMO_MODELS_DIR.is_dir() else []
+        raise ModelNotFoundError(
+            f"model folder not found: tried {path.resolve()} (built-in demo models: {', '.join(demos) or 'none'})")
+    return name_or_path
+
+
+def load_with_hub_fallback(loader, name_or_path: str, **kwargs):
+    """Call ``loader(resolved, **kwargs)``; when a hub id cannot be fetched, say what was tried."""
+    resolved = resolve_model_path(name_or_path)
+    try:
+        return loader(resolved, **kwargs)
+    except OSError as error:
+        if Path(resolved).is_dir():
+            raise
+        raise ModelNotFoundError(
+            f"could not load {name_or_path!r}: no local folder {Path(name_or_path).resolve()} and the hub id "
+            f"failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
+            "Pass a local diffusers folder or a built-in demo name.") from error
+
+
+@contextlib.contextmanager
+def disabled_lora(model: nn.Module):
+    """Run ``model`` with its peft adapters switched off (the reference policy of a LoRA run)."""
+    model.disable_adapters()
+    try:
+        yield
+    finally:
+        model.enable_adapters()
