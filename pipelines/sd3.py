@@ -70,7 +70,7 @@ class SD3Adapter:
 
         def load(path, **kw):
             extra = {"text_encoder_3": None, "tokenizer_3": None} if _without_t5(path) else {}
-            return StableDiffusion3Pipeline.from_pretrained(path, torch_dtype=DTYPES[dtype], **extra, **kw)
+            return StableDiffusion3Pipeline.from_pretrained(path, dtype=DTYPES[dtype], **extra, **kw)
 
         pipe = load_with_hub_fallback(load, name_or_path)
         if lora is not None:

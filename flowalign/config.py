@@ -1,0 +1,262 @@
+"""Run configuration: YAML files validated into typed dataclasses, with ``key.sub=value`` overrides.
+
+Every check happens before any model loads: an unknown key, a wrong type or a bad value raises
+``ConfigError`` naming the key and the file (or the override that set it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key and where it came from."""
+
+
+@dataclass
+class ModelConfig:
+    family: str = "sd3"  # adapter family, see pipelines.FAMILIES
+    path: str = "shapes-sd3"  # built-in demo name, local diffusers folder, or hub id
+    dtype: str = "float32"  # weights of the frozen parts: float32 | bfloat16 | float16
+    lora_rank: int = 32  # 0 = full fine-tuning of the transformer
+    lora_alpha: Optional[float] = None  # default: = rank
+    lora_targets: Optional[list[str]] = None  # default: the attention projections
+    gradient_checkpointing: bool = False
+    attention: str = "sdpa"  # sdpa | xformers (CUDA only)
+    height: Optional[int] = None
+    width: Optional[int] = None
+
+
+@dataclass
+class SamplingConfig:
+    num_steps: int = 10
+    eta: float = 1.0  # SDE noise level of the trained steps
+    guidance_scale: float = 1.0
+    step_mode: str = "all"  # all | fraction | window (flowalign.samplers.steps)
+    fraction: float = 0.6
+    window_size: int = 2
+    window_start: Optional[int] = None  # None: random per rollout batch
+    shared_group_noise: bool = False  # one initial noise per prompt group
+    log_prob_reduction: str = "mean"  # mean | sum over latent elements
+
+
+@dataclass
+class DataConfig:
+    # "shapes:<split>" (the built-in world: train | test | all) or a .txt / .jsonl prompt file
+    train_prompts: str = "shapes:train"
+    eval_prompts: str = "shapes:test"
+
+
+@dataclass
+class RewardConfig:
+    name: str = "shapes"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=lambda: {"score": 1.0})  # component → weight
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 60
+    groups_per_epoch: int = 8  # prompts per epoch per process
+    group_size: int = 8  # samples per prompt
+    sample_batch_size: int = 32  # rollout chunk
+    train_batch_size: int = 16  # samples per optimizer step
+    inner_epochs: int = 1
+    learning_rate: float = 3e-4
+    weight_decay: float = 1e-4
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    max_grad_norm: float = 1.0
+    warmup_epochs: int = 0
+    clip_range: float = 1e-4
+    kl_beta: float = 0.0
+    advantage_clip: float = 5.0
+    global_std: bool = False
+    per_prompt_stats: bool = False  # DDPO-style per-prompt tracker instead of group statistics
+    ema_decay: float = 0.0  # 0 = off; evaluation uses the EMA weights when on
+    mixed_precision: str = "no"  # no | fp16 | bf16 (Accelerate)
+    seed: int = 0
+
+
+@dataclass
+class EvalConfig:
+    every: int = 10  # epochs; 0 = only before and after
+    seeds: int = 4  # samples per held-out prompt
+    batch_size: int = 64
+    grid_prompts: int = 12
+    grid_seeds: int = 4
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = "runs/shapes-flow-grpo"
+    method: str = "flow_grpo"
+    tracker: str = "tensorboard"  # tensorboard | wandb | none
+    checkpoint_every: int = 10  # epochs; 0 = only at the end
+    checkpoints_kept: int = 2
+    resume: Optional[str] = None  # "auto" (latest in output_dir), a checkpoint folder, or None
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+CHOICES = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.attention": ("sdpa", "xformers"),
+    "sampling.step_mode": ("all", "fraction", "window"),
+    "sampling.log_prob_reduction": ("mean", "sum"),
+    "train.mixed_precision": ("no", "fp16", "bf16"),
+    "tracker": ("tensorboard", "wandb", "none"),
+    "method": ("flow_grpo",),
+}
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value, tp, key: str, where: str):
+    """Check ``value`` against the annotation ``tp``; ints are accepted as floats."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key, where)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: {key} must be a mapping of settings, got {value!r}")
+        return _build(tp, value, key, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: {key} must be a list, got {type(value).__name__} {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]", where) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: {key} must be a mapping, got {type(value).__name__} {value!r}")
+        return {str(k): _coerce(v, args[1], f"{key}.{k}", where) for k, v in value.items()}
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is bool and not isinstance(value, bool) or tp in (int, float) and isinstance(value, bool) \
+            or not isinstance(value, tp):
+        raise ConfigError(f"{where}: {key} must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls, values: dict, prefix: str, where: str):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {(prefix + '.' if prefix else '') + close[0]!r}?)" if close else ""
+            raise ConfigError(f"{where}: unknown key {full!r}{hint}; valid keys here: {', '.join(names)}")
+        kwargs[key] = _coerce(value, hints[key], full, where)
+        if full in CHOICES and kwargs[key] not in CHOICES[full]:
+            raise ConfigError(f"{where}: {full} must be one of {', '.join(CHOICES[full])}, got {kwargs[key]!r}")
+    return cls(**kwargs)
+
+
+def _set_path(tree: dict, dotted: str, value) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+def _floats(tree):
+    """YAML 1.1 reads ``1e-4`` (no dot) as a string; read number-shaped strings as floats."""
+    if isinstance(tree, dict):
+        return {k: _floats(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_floats(v) for v in tree]
+    return float(tree) if isinstance(tree, str) and _FLOAT.match(tree) else tree
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"train.learning_rate=1e-4"`` → ("train.learning_rate", 1e-4); values are parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key.sub=value")
+    key, raw = text.split("=", 1)
+    return key.strip(), _floats(yaml.safe_load(raw) if raw.strip() else "")
+
+
+def _merge(base: dict, other: dict) -> dict:
+    out = dict(base)
+    for key, value in other.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML file (optional), apply ``key=value`` overrides, validate. Raises ConfigError."""
+    tree: dict = {}
+    where = "defaults"
+    if path is not None:
+        path = Path(path)
+        where = str(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path.resolve()}")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as error:
+            raise ConfigError(f"{where}: not valid YAML: {error}") from error
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{where}: the top level must be a mapping of settings")
+        tree = _floats(loaded)
+    config = _build(RunConfig, tree, "", where)  # the file alone must be valid
+    for text in overrides:
+        key, value = parse_override(text)
+        patch: dict = {}
+        _set_path(patch, key, value)
+        tree = _merge(tree, patch)
+        config = _build(RunConfig, tree, "", f"override {text!r}")
+    check_values(config, where)
+    return config
+
+
+def check_values(config: RunConfig, where: str = "config") -> None:
+    """Cross-field checks that types alone cannot express."""
+    t, s = config.train, config.sampling
+    rules = [
+        ("train.group_size", t.group_size >= 2 or t.per_prompt_stats, "must be ≥ 2 for group advantages"),
+        ("train.groups_per_epoch", t.groups_per_epoch >= 1, "must be ≥ 1"),
+        ("train.train_batch_size", 1 <= t.train_batch_size <= t.groups_per_epoch * t.group_size,
+         "must be between 1 and groups_per_epoch × group_size"),
+        ("train.sample_batch_size", t.sample_batch_size >= 1, "must be ≥ 1"),
+        ("train.epochs", t.epochs >= 0, "must be ≥ 0"),
+        ("train.clip_range", t.clip_range > 0, "must be > 0"),
+        ("train.ema_decay", 0 <= t.ema_decay < 1, "must be in [0, 1)"),
+        ("sampling.num_steps", s.num_steps >= 2, "must be ≥ 2 (the last step is never trained)"),
+        ("sampling.eta", s.eta > 0, "must be > 0 to train (η = 0 is ODE sampling)"),
+        ("model.lora_rank", config.model.lora_rank >= 0, "must be ≥ 0 (0 = full fine-tuning)"),
+    ]
+    for key, ok, message in rules:
+        if not ok:
+            raise ConfigError(f"{where}: {key} {message}")
+
+
+def to_dict(config) -> dict:
+    return dataclasses.asdict(config)

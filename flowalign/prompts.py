@@ -1,0 +1,28 @@
+"""Prompt sources: the built-in shapes world or a prompt file. A prompt is a dict with at least
+``"prompt"``; GenEval-style records also carry ``"tag"`` and ``"include"`` for verifiers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def load_prompts(source: str) -> list[dict]:
+    """``"shapes:train"`` / ``"shapes:test"`` / ``"shapes:all"``, a ``.txt`` file (one prompt per
+    line) or a ``.jsonl`` file (one record per line with a "prompt" key)."""
+    if source.startswith("shapes:"):
+        from flowalign.worlds.shapes import prompt_split
+
+        return prompt_split(source.split(":", 1)[1])
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file not found: tried {path.resolve()} (or use shapes:train / shapes:test)")
+    if path.suffix == ".jsonl":
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        bad = [i + 1 for i, r in enumerate(records) if not isinstance(r, dict) or "prompt" not in r]
+        if bad:
+            raise ValueError(f"{path}: line {bad[0]} has no \"prompt\" key")
+        return records
+    if path.suffix == ".txt":
+        return [{"prompt": line.strip()} for line in path.read_text().splitlines() if line.strip()]
+    raise ValueError(f"{path}: prompt files must be .txt or .jsonl")
