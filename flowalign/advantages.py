@@ -57,7 +57,8 @@ def group_advantages(
         std = r.std(unbiased=False)
         n_groups += 1
         zero_spread += int(std.item() < 1e-8)
-        adv[members] = (r - r.mean()) / ((batch_std if global_std else std) + eps)
+        scale = (batch_std if global_std else std) + eps
+        adv[members] = (r - r.mean()) / scale if scale > 0 else 0.0  # a constant group teaches nothing
     adv = adv.clamp(-clip, clip)
     return adv, {"zero_spread_groups": zero_spread / max(n_groups, 1), "groups": float(n_groups)}
 

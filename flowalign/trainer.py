@@ -107,7 +107,9 @@ class Trainer:
         self.adapter = adapter_class(m.family).from_pretrained(
             m.path, dtype=m.dtype, device=acc.device, height=m.height, width=m.width)
         if m.lora_rank > 0:
-            self.adapter.add_lora(m.lora_rank, m.lora_alpha, m.lora_targets)
+            with torch.random.fork_rng(devices=[]):  # the LoRA's random init is part of the run's seed
+                torch.manual_seed(t.seed)
+                self.adapter.add_lora(m.lora_rank, m.lora_alpha, m.lora_targets)
         else:
             self.adapter.enable_full_finetune(keep_reference=t.kl_beta > 0)
         if m.gradient_checkpointing:
