@@ -6,6 +6,7 @@ Every check happens before any model loads: an unknown key, a wrong type or a ba
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import re
@@ -203,13 +204,6 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), _floats(yaml.safe_load(raw) if raw.strip() else "")
 
 
-def _merge(base: dict, other: dict) -> dict:
-    out = dict(base)
-    for key, value in other.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
     """Read a YAML file (optional), apply ``key=value`` overrides, validate. Raises ConfigError."""
     tree: dict = {}
@@ -229,9 +223,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
     config = _build(RunConfig, tree, "", where)  # the file alone must be valid
     for text in overrides:
         key, value = parse_override(text)
-        patch: dict = {}
-        _set_path(patch, key, value)
-        tree = _merge(tree, patch)
+        tree = copy.deepcopy(tree)
+        _set_path(tree, key, value)  # replaces the value at key, a mapping included
         config = _build(RunConfig, tree, "", f"override {text!r}")
     check_values(config, where)
     return config
