@@ -300,6 +300,7 @@ class Trainer:
         if acc.is_main_process:
             with self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext():
                 result = self._evaluate_main(label)
+            tqdm.write(f"eval {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items() if isinstance(v, float)))
             acc.log({f"eval/{k}": v for k, v in _flat(result).items() if isinstance(v, (int, float))},
                     step=self.epoch)
         acc.wait_for_everyone()

@@ -8,8 +8,9 @@ Two stages, both on scenes drawn by ``flowalign.worlds.shapes`` from the *whole*
 2. the ``SD3Transformer2DModel`` and both CLIP text encoders learn rectified flow
    (velocity target ε − x0, logit-normal σ, 10 % of captions dropped to "" for CFG).
 
-The result is saved with ``save_pretrained`` (safetensors) and its baseline held-out accuracy
-per category is written beside it, measured with the evaluation settings of the demo config.
+The result is saved with ``save_pretrained`` (safetensors), with its settings in
+``pretraining.json``; ``scripts/measure_baseline.py`` then writes its held-out accuracy per
+category (``baseline.json``) with the evaluation settings of the demo config.
 
     python scripts/pretrain_shapes.py --out pipelines/demo_models/shapes-sd3
 """
