@@ -95,7 +95,7 @@ class ShapesVerifier(Reward):
     >>> import random
     >>> from flowalign.worlds.shapes import render_scene, prompt_split
     >>> spec = prompt_split("test")[0]
-    >>> image = torch.from_numpy(np.asarray(render_scene(spec, random.Random(0)))).permute(2, 0, 1) / 255
+    >>> image = torch.from_numpy(np.array(render_scene(spec, random.Random(0)))).permute(2, 0, 1) / 255
     >>> ShapesVerifier()(image[None], [spec["prompt"]], [spec])["accuracy"].tolist()
     [1.0]
     """
