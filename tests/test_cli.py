@@ -19,7 +19,7 @@ def test_help_teaches_the_subcommands():
     assert "key.sub=value" in out.stdout and "resume=auto" in out.stdout
 
 
-def test_grid_and_sample_agree_on_a_local_model(tiny_sd3_dir, tmp_path, capsys):
+def test_grid_and_sample_agree_on_a_local_model(tiny_sd3_dir, tmp_path):
     prompts = ["a photo of a red circle", "a photo of two squares"]
     args = ["--model", str(tiny_sd3_dir), "--steps", "3", "--seeds", "0,1"]
     grid_path = tmp_path / "grid.png"
