@@ -1,11 +1,13 @@
-"""The ``flowalign`` command: train from a YAML recipe, sample, and draw prompt × seed grids.
+"""The ``flowalign`` command: train from a YAML recipe; compare policies in grids, eval tables and reports.
 
 Examples::
 
     flowalign train configs/shapes_flow_grpo.yaml                     # the built-in demo
     flowalign train configs/shapes_flow_grpo.yaml train.epochs=5 output_dir=runs/try
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 -m flowalign.cli train CONFIG
-    flowalign grid --model shapes-sd3 --lora runs/shapes-flow-grpo/final --prompts shapes:test --out grid.png
+    flowalign grid --policies base runs/shapes-flow-grpo --prompts shapes:test --out grid.png
+    flowalign eval --policies base runs/shapes-flow-grpo/final --rewards shapes,jpeg_compressibility --out eval
+    flowalign report runs/shapes-flow-grpo --eval eval
 """
 
 from __future__ import annotations
@@ -19,29 +21,20 @@ import torch
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="shapes-sd3", help="built-in demo name, local diffusers folder or hub id")
     p.add_argument("--family", default="sd3", help="adapter family (default: sd3)")
-    p.add_argument("--lora", default=None, help="folder with trained LoRA weights (a run's final/ folder)")
     p.add_argument("--steps", type=int, default=10, help="sampling steps (ODE)")
     p.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale")
-    p.add_argument("--seeds", default="0,1,2,3", help="comma-separated seeds (grid columns)")
+    p.add_argument("--seeds", default="0,1,2,3", help="comma-separated seeds; the same seed gives the same "
+                                                       "initial noise under every policy")
 
 
-def _load(args):
-    from pipelines import adapter_class
+def _add_policy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policies", nargs="+", default=["base"], metavar="POLICY",
+                   help="what to compare: 'base' (the untrained model), a run folder (each checkpoint, then "
+                        "final), a checkpoint folder, or a trained-weights folder (final/, LoRA or full)")
 
-    return adapter_class(args.family).from_pretrained(args.model, lora=args.lora)
 
-
-def _sample(adapter, prompts: list[str], seeds: list[int], steps: int, guidance: float) -> torch.Tensor:
-    """Images [len(prompts)·len(seeds), 3, H, W], row-major (prompt, seed); ODE sampling."""
-    from flowalign.rollout import rollout
-    from flowalign.samplers.steps import plan_steps
-
-    cond = adapter.encode(prompts).repeat_interleave(len(seeds))
-    noise = torch.cat([adapter.initial_noise(1, torch.Generator().manual_seed(s)) for s in seeds])
-    noise = noise.repeat(len(prompts), *([1] * (noise.ndim - 1)))
-    traj = rollout(adapter, cond, noise, adapter.schedule(steps), plan_steps(steps, len(cond), 0.0),
-                   guidance_scale=guidance)
-    return adapter.decode(traj.samples)
+def _seeds(args) -> list[int]:
+    return [int(s) for s in args.seeds.split(",")]
 
 
 def cmd_train(args) -> int:
@@ -59,24 +52,54 @@ def cmd_train(args) -> int:
 
 
 def cmd_grid(args) -> int:
-    from flowalign.grids import save_grid, to_pil_grid
+    from flowalign.evaluation import load_policy, resolve_policies, sample_images
+    from flowalign.grids import labelled_grid, save_grid
     from flowalign.prompts import load_prompts
 
     prompts = args.prompt or [p["prompt"] for p in load_prompts(args.prompts)][: args.max_prompts]
-    seeds = [int(s) for s in args.seeds.split(",")]
-    adapter = _load(args)
-    images = torch.cat([_sample(adapter, prompts[i:i + 8], seeds, args.steps, args.guidance)
-                        for i in range(0, len(prompts), 8)])
-    save_grid(to_pil_grid(images, len(prompts), len(seeds)), args.out, prompts)
-    print(f"wrote {args.out} ({len(prompts)} prompts × {len(seeds)} seeds; prompts in {args.out[:-4]}.txt)")
+    seeds, policies = _seeds(args), resolve_policies(args.policies)
+    per_policy = [sample_images(load_policy(p, args.model, args.family), prompts, seeds, args.steps, args.guidance)
+                  for p in policies]
+    # [P, R·S, ...] → row-major (prompt, policy, seed)
+    images = torch.stack(per_policy).unflatten(1, (len(prompts), len(seeds))).transpose(0, 1).flatten(0, 2)
+    columns = {p.label: [f"seed {s}" for s in seeds] for p in policies}
+    save_grid(labelled_grid(images, prompts, columns), args.out, prompts)
+    print(f"wrote {args.out} ({len(prompts)} prompts × {len(policies)} policies × {len(seeds)} seeds)")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from flowalign.evaluation import evaluate, resolve_policies
+    from flowalign.prompts import load_prompts
+    from reward_models.base import build_reward
+
+    records = load_prompts(args.prompts)[: args.max_prompts]
+    rewards = {name: build_reward(name) for name in args.rewards.split(",")}
+    summary = evaluate(resolve_policies(args.policies), records, rewards, args.out, model=args.model,
+                       family=args.family, seeds=_seeds(args), steps=args.steps, guidance=args.guidance)
+    for label, entry in summary.items():
+        print(label + ": " + ", ".join(f"{k} {v:.4f}" for k, v in entry.items() if isinstance(v, float)))
+    print(f"wrote {args.out}/summary.json, summary.csv, samples.jsonl")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from flowalign.report import build_report
+
+    path = build_report(args.run, args.out, args.eval or [], args.image or [])
+    print(f"wrote {path}")
     return 0
 
 
 def cmd_sample(args) -> int:
     from torchvision.utils import save_image
 
-    seeds = [int(s) for s in args.seeds.split(",")]
-    images = _sample(_load(args), [args.prompt], seeds, args.steps, args.guidance)
+    from flowalign.evaluation import Policy, load_policy, sample_images
+
+    policy = Policy("trained", args.weights) if args.weights else Policy("base", None)
+    seeds = _seeds(args)
+    images = sample_images(load_policy(policy, args.model, args.family), [args.prompt], seeds, args.steps,
+                           args.guidance)
     for seed, image in zip(seeds, images):
         path = args.out.replace("{seed}", str(seed)) if "{seed}" in args.out else f"{args.out[:-4]}-{seed}.png"
         save_image(image, path)
@@ -96,16 +119,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("grid", help="prompts × seeds in one PNG (ODE sampling)")
+    p = sub.add_parser("grid", help="prompts × policies × seeds in one labelled PNG (ODE sampling)",
+                       description="Rows are prompts; columns are seeds grouped by policy, every policy "
+                                   "starting from the same noise per seed, so cells are comparable.")
     _add_model_args(p)
+    _add_policy_args(p)
     p.add_argument("--prompts", default="shapes:test", help="shapes:test, a .txt or a .jsonl prompt file")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; overrides --prompts)")
     p.add_argument("--max-prompts", type=int, default=12)
     p.add_argument("--out", default="grid.png")
     p.set_defaults(func=cmd_grid)
 
+    p = sub.add_parser("eval", help="score policies on a prompt set with registered rewards (JSON + CSV)",
+                       description="Every policy × prompt × seed is sampled (ODE) and scored by every reward. "
+                                   "Results are appended to OUT/samples.jsonl as they come, so rerunning the "
+                                   "same command resumes; OUT/summary.json and summary.csv hold the means "
+                                   "overall and per category.")
+    _add_model_args(p)
+    _add_policy_args(p)
+    p.add_argument("--prompts", default="shapes:test", help="shapes:test, a .txt or a .jsonl prompt file")
+    p.add_argument("--max-prompts", type=int, default=None)
+    p.add_argument("--rewards", default="shapes", help="comma-separated registered rewards, e.g. "
+                                                       "shapes,jpeg_compressibility")
+    p.add_argument("--out", default="eval", help="output folder")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("report", help="a static HTML report of a run (curves, grids, eval tables, config)")
+    p.add_argument("run", help="the run's output_dir")
+    p.add_argument("--eval", action="append", help="an output folder of flowalign eval (repeatable)")
+    p.add_argument("--image", action="append", help="an extra PNG to include, e.g. a flowalign grid (repeatable)")
+    p.add_argument("--out", default=None, help="default: RUN/report/index.html")
+    p.set_defaults(func=cmd_report)
+
     p = sub.add_parser("sample", help="images for one prompt, one file per seed")
     _add_model_args(p)
+    p.add_argument("--weights", default=None, help="trained weights: a run's final/ or a checkpoint's policy/")
     p.add_argument("prompt")
     p.add_argument("--out", default="sample-{seed}.png", help="output path; {seed} is replaced")
     p.set_defaults(func=cmd_sample)

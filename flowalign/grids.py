@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from PIL import Image, ImageDraw
+import textwrap
+
+from PIL import Image, ImageDraw, ImageFont
 
 
 def to_pil_grid(images: torch.Tensor, rows: int, cols: int, min_cell: int = 96, pad: int = 2) -> Image.Image:
@@ -22,6 +24,40 @@ def to_pil_grid(images: torch.Tensor, rows: int, cols: int, min_cell: int = 96, 
         tile = Image.fromarray(cell).resize((w * scale, h * scale), Image.NEAREST)
         grid.paste(tile, (pad + c * (w * scale + pad), pad + r * (h * scale + pad)))
     return grid
+
+
+def labelled_grid(images: torch.Tensor, row_labels: list[str], column_groups: dict[str, list[str]],
+                  min_cell: int = 96, font_size: int = 12) -> Image.Image:
+    """A grid with a prompt at the left of every row and two header lines: each group's name
+    (e.g. a checkpoint) over its columns (e.g. its seeds).
+
+    images: float [rows·cols, 3, H, W] in [0, 1], row-major; rows = len(row_labels), cols = the
+    total number of columns in ``column_groups`` ({group: [column label, ...]}, in order)."""
+    cols = sum(len(c) for c in column_groups.values())
+    body = to_pil_grid(images, len(row_labels), cols, min_cell=min_cell)
+    cell_w, cell_h = (body.width - 2) / cols, (body.height - 2) / len(row_labels)
+    font = ImageFont.load_default(size=font_size)
+    chars = max(12, int(cell_w * 1.6 // (font_size * 0.6)))
+    wrapped = [textwrap.wrap(label, chars)[:max(1, int(cell_h // (font_size + 2)))] for label in row_labels]
+    left = 8 + max(int(font.getlength(line)) for lines in wrapped for line in lines or [""])
+    top = 2 * (font_size + 6)
+    out = Image.new("RGB", (left + body.width, top + body.height), (255, 255, 255))
+    out.paste(body, (left, top))
+    draw = ImageDraw.Draw(out)
+    for r, lines in enumerate(wrapped):
+        y = top + 2 + r * cell_h + (cell_h - len(lines) * (font_size + 2)) / 2
+        for k, line in enumerate(lines):
+            draw.text((4, y + k * (font_size + 2)), line, fill=(0, 0, 0), font=font)
+    x = left + 2
+    for group, columns in column_groups.items():
+        width = cell_w * len(columns)
+        draw.text((x + (width - font.getlength(group)) / 2, 2), group, fill=(0, 0, 0), font=font)
+        draw.line([(x + 2, font_size + 5), (x + width - 4, font_size + 5)], fill=(160, 160, 160))
+        for k, column in enumerate(columns):
+            cx = x + k * cell_w + (cell_w - font.getlength(column)) / 2
+            draw.text((cx, font_size + 7), column, fill=(90, 90, 90), font=font)
+        x += width
+    return out
 
 
 def side_by_side(panels: dict[str, Image.Image], header: int = 16) -> Image.Image:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import time
@@ -243,7 +242,7 @@ class Trainer:
     def update_policy(self, batch: EpochBatch, advantages: torch.Tensor) -> dict:
         """Inner epochs over shuffled minibatches; one optimizer step per minibatch, gradients
         accumulated over its trained steps (each step's loss weighted 1 / number of steps)."""
-        acc, t, s = self.accelerator, self.config.train, self.config.sampling
+        acc, t = self.accelerator, self.config.train
         traj, device = batch.traj, acc.device
         valid = torch.isfinite(batch.rewards).to(device)
         advantages = advantages.to(device)
@@ -295,7 +294,7 @@ class Trainer:
     def evaluate(self, label: str) -> dict:
         """ODE sampling (η = 0) of every held-out prompt × ``eval.seeds`` with fixed noise; reward
         components overall and per category (the "tag" of GenEval-style records)."""
-        acc, e, s = self.accelerator, self.config.eval, self.config.sampling
+        acc = self.accelerator
         result: dict = {}
         if acc.is_main_process:
             with self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext():
@@ -348,7 +347,8 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
         """``checkpoints/epoch-NNNNNN/``: trained weights (safetensors), optimizer, EMA, every
-        generator state and the counters; written to a temporary folder, then renamed."""
+        generator state and the counters, plus ``policy/`` (the evaluated weights, EMA if used, in
+        the format of ``final/``); written to a temporary folder, then renamed."""
         acc = self.accelerator
         final = self.out / "checkpoints" / f"epoch-{self.epoch:06d}"
         tmp = final.with_name(final.name + ".tmp")
@@ -364,6 +364,8 @@ class Trainer:
             torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
             if self.ema is not None:
                 save_file(self.ema.state_dict(), tmp / "ema.safetensors")
+            with self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext():
+                self.adapter.save_trained(tmp / "policy")  # what grid/eval load, like final/
             state = {"epoch": self.epoch, "history": self.history, "evals": self.evals,
                      "num_processes": acc.num_processes,
                      "stat_tracker": self.tracker.state_dict() if self.tracker else None}

@@ -13,13 +13,14 @@ import json
 from pathlib import Path
 
 import torch
-from diffusers import StableDiffusion3Pipeline
+from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 from torch import nn
 
-from pipelines.base import Conditioning, Schedule, disabled_lora, load_with_hub_fallback
+from pipelines.base import Conditioning, ModelNotFoundError, Schedule, disabled_lora, load_with_hub_fallback
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"  # what save_lora_weights writes
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
 
@@ -62,9 +63,10 @@ class SD3Adapter:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, dtype: str = "float32", device: str = "cpu",
-                        lora: str | None = None, **kwargs) -> "SD3Adapter":
-        """Load from a built-in demo name, a local diffusers folder or a hub id; ``lora``: a folder
-        with LoRA weights saved by training (loaded as plain diffusers would)."""
+                        trained: str | Path | None = None, **kwargs) -> "SD3Adapter":
+        """Load from a built-in demo name, a local diffusers folder or a hub id. ``trained``: a
+        folder written by ``save_trained`` (a run's ``final/`` or a checkpoint's ``policy/``),
+        loaded as plain diffusers would: LoRA weights fused in, or its ``transformer/``."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
 
@@ -73,10 +75,18 @@ class SD3Adapter:
             return StableDiffusion3Pipeline.from_pretrained(path, dtype=DTYPES[dtype], **extra, **kw)
 
         pipe = load_with_hub_fallback(load, name_or_path)
-        if lora is not None:
-            pipe.load_lora_weights(lora)
-            pipe.fuse_lora()
-            pipe.unload_lora_weights()
+        if trained is not None:
+            trained = Path(trained)
+            if (trained / "transformer").is_dir():
+                pipe.transformer = SD3Transformer2DModel.from_pretrained(trained / "transformer",
+                                                                         torch_dtype=DTYPES[dtype])
+            elif (trained / LORA_WEIGHTS_NAME).is_file():
+                pipe.load_lora_weights(trained)
+                pipe.fuse_lora()
+                pipe.unload_lora_weights()
+            else:
+                raise ModelNotFoundError(f"no trained weights in {trained.resolve()}: expected {LORA_WEIGHTS_NAME} "
+                                         "or a transformer/ folder (a run's final/ or a checkpoint's policy/)")
         return cls(pipe, device=device, **kwargs)
 
     # -- conditioning --------------------------------------------------------------------

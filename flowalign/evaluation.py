@@ -1,0 +1,189 @@
+"""Comparable evaluation of policies: which weights to load, fixed-seed ODE samples, reward tables.
+
+A *policy* is a label and a folder of trained weights (``None`` = the base model). Every policy
+samples every (prompt, seed) from the same initial noise (``torch.Generator().manual_seed(seed)``),
+so a cell of a grid or a row of a table differs between policies only through the weights.
+
+``evaluate`` appends one JSON line per scored sample to ``samples.jsonl`` as it goes and skips
+what is already there, so an interrupted evaluation resumes where it stopped; ``summary.json`` and
+``summary.csv`` are rewritten from all lines at the end.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+
+@dataclass(frozen=True)
+class Policy:
+    label: str
+    weights: Path | None  # a save_trained folder (final/, checkpoints/*/policy/) or None: the base model
+
+
+def resolve_policies(specs: list[str]) -> list[Policy]:
+    """``base``, a weights folder, a checkpoint folder (its ``policy/``) or a run folder (every
+    checkpoint in order, then ``final/``). Labels are short and unique: ``base``, ``epoch-20``, ``final``."""
+    policies = []
+    for spec in specs:
+        if spec == "base":
+            policies.append(Policy("base", None))
+            continue
+        path = Path(spec).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f"no such run, checkpoint or weights folder: {path.resolve()}")
+        if (path / "checkpoints").is_dir() or (path / "final").is_dir():  # a run
+            for ckpt in sorted(p for p in (path / "checkpoints").glob("epoch-*") if (p / "policy").is_dir()):
+                policies.append(Policy(_epoch_label(ckpt), ckpt / "policy"))
+            if (path / "final").is_dir():
+                policies.append(Policy("final", path / "final"))
+        elif (path / "policy").is_dir():  # one checkpoint
+            policies.append(Policy(_epoch_label(path), path / "policy"))
+        else:
+            policies.append(Policy(path.name, path))
+    labels = [p.label for p in policies]
+    if not policies:
+        raise FileNotFoundError(f"no policies found in {specs}")
+    if len(set(labels)) < len(labels):  # e.g. two runs' final/: prefix the run folder
+        policies = [Policy(f"{p.weights.parent.parent.name}/{p.label}" if p.weights and p.label.startswith("epoch")
+                           else f"{p.weights.parent.name}/{p.label}" if p.weights else p.label, p.weights)
+                    for p in policies]
+    return policies
+
+
+def _epoch_label(checkpoint: Path) -> str:
+    return f"epoch-{int(checkpoint.name.split('-')[-1])}"
+
+
+def load_policy(policy: Policy, model: str, family: str = "sd3"):
+    from pipelines import adapter_class
+
+    return adapter_class(family).from_pretrained(model, trained=policy.weights)
+
+
+def sample_images(adapter, prompts: list[str], seeds: list[int], steps: int, guidance: float,
+                  batch_size: int = 16) -> torch.Tensor:
+    """ODE samples, images float [len(prompts)·len(seeds), 3, H, W] in [0, 1], row-major (prompt, seed)."""
+    return sample_pairs(adapter, [(p, s) for p in prompts for s in seeds], steps, guidance, batch_size)
+
+
+@torch.no_grad()
+def sample_pairs(adapter, pairs: list[tuple[str, int]], steps: int, guidance: float,
+                 batch_size: int = 16) -> torch.Tensor:
+    """One ODE sample per (prompt, seed): images float [len(pairs), 3, H, W] in [0, 1]."""
+    from flowalign.rollout import rollout
+    from flowalign.samplers.steps import plan_steps
+
+    out = []
+    for lo in range(0, len(pairs), batch_size):
+        chunk = pairs[lo:lo + batch_size]
+        cond = adapter.encode([p for p, _ in chunk])
+        noise = torch.cat([adapter.initial_noise(1, torch.Generator().manual_seed(s)) for _, s in chunk])
+        traj = rollout(adapter, cond, noise, adapter.schedule(steps), plan_steps(steps, len(chunk), 0.0),
+                       guidance_scale=guidance)
+        out.append(adapter.decode(traj.samples))
+    return torch.cat(out)
+
+
+def evaluate(policies: list[Policy], records: list[dict], rewards: dict, out_dir: str | Path, *, model: str,
+             family: str = "sd3", seeds: list[int], steps: int, guidance: float, batch_size: int = 16) -> dict:
+    """Score every policy × prompt record × seed with every reward; resumable (module docstring).
+
+    rewards: {name: Reward}. Returns the summary: per policy, the mean of every ``reward/component``
+    overall and per category (the records' "tag"), and the category mean where there are tags."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines_path = out_dir / "samples.jsonl"
+    done = set()
+    if lines_path.exists():
+        # Keep the complete lines only (a crash can cut the last one short), then append after them.
+        kept = [line for line in lines_path.read_text().splitlines() if _is_json(line)]
+        tmp = lines_path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, lines_path)
+        done = {(row["policy"], row["index"], row["seed"]) for row in map(json.loads, kept)}
+    todo = [(p, i, s) for p in policies for i in range(len(records)) for s in seeds
+            if (p.label, i, s) not in done]
+    bar = tqdm(total=len(todo), desc="eval", unit="sample")
+    with open(lines_path, "a") as sink:
+        for policy in policies:
+            mine = [(i, s) for p, i, s in todo if p == policy]
+            if not mine:
+                continue
+            adapter = load_policy(policy, model, family)
+            for lo in range(0, len(mine), batch_size):
+                chunk = mine[lo:lo + batch_size]
+                images = sample_pairs(adapter, [(records[i]["prompt"], s) for i, s in chunk], steps, guidance)
+                subset = [records[i] for i, _ in chunk]
+                scores = {}
+                for name, reward in rewards.items():
+                    for component, values in reward(images, [r["prompt"] for r in subset], subset).items():
+                        scores[f"{name}/{component}"] = torch.as_tensor(values, dtype=torch.float32).tolist()
+                for k, (i, s) in enumerate(chunk):
+                    row = {"policy": policy.label, "index": i, "seed": s, "prompt": records[i]["prompt"],
+                           "tag": records[i].get("tag"), **{key: v[k] for key, v in scores.items()}}
+                    sink.write(json.dumps(row) + "\n")
+                sink.flush()
+                bar.update(len(chunk))
+    bar.close()
+    summary = summarize([json.loads(line) for line in lines_path.read_text().splitlines() if _is_json(line)],
+                        [p.label for p in policies])
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_summary_csv(summary, out_dir / "summary.csv")
+    return summary
+
+
+def _is_json(line: str) -> bool:
+    try:
+        json.loads(line)
+        return True
+    except json.JSONDecodeError:
+        return False
+
+
+def summarize(rows: list[dict], order: list[str]) -> dict:
+    """{policy: {"samples": n, metric: mean, metric + "_by_category": {tag: mean}, metric + "_category_mean"}}"""
+    summary = {}
+    for label in order:
+        mine = [r for r in rows if r["policy"] == label]
+        metrics = sorted({k for r in mine for k in r if "/" in k})
+        entry: dict = {"samples": len(mine)}
+        for metric in metrics:
+            entry[metric] = _mean([r[metric] for r in mine])
+            tags = sorted({r["tag"] for r in mine if r.get("tag")})
+            if tags:
+                per = {t: _mean([r[metric] for r in mine if r.get("tag") == t]) for t in tags}
+                entry[f"{metric}_by_category"] = per
+                entry[f"{metric}_category_mean"] = sum(per.values()) / len(per)
+        summary[label] = entry
+    return summary
+
+
+def _mean(values: list[float]) -> float:
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else float("nan")
+
+
+def write_summary_csv(summary: dict, path: str | Path) -> None:
+    """One row per policy and metric (category "all" and one row per category)."""
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["policy", "metric", "category", "value"])
+        for label, entry in summary.items():
+            for key, value in entry.items():
+                if key == "samples":
+                    continue
+                if isinstance(value, dict):
+                    metric = key[: -len("_by_category")]
+                    writer.writerows([label, metric, tag, v] for tag, v in value.items())
+                elif key.endswith("_category_mean"):
+                    writer.writerow([label, key[: -len("_category_mean")], "category_mean", value])
+                else:
+                    writer.writerow([label, key, "all", value])

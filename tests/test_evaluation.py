@@ -1,0 +1,137 @@
+"""Evaluation tools on a real (tiny) run: policy resolution, comparable grids, resumable eval
+tables with two rewards, and the HTML report rendered by headless Chromium."""
+
+import csv
+import json
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flowalign.cli import main
+from flowalign.evaluation import load_policy, resolve_policies, sample_images
+from flowalign.trainer import Trainer
+from test_trainer import tiny_config
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_sd3_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    Trainer(tiny_config(tiny_sd3_dir, out, "tracker=tensorboard", "checkpoint_every=1", "eval.every=1",
+                        "train.epochs=2", "train.learning_rate=3e-2")).train()
+    return out
+
+
+def test_a_run_resolves_to_its_checkpoints_then_final(tiny_run, tmp_path):
+    labels = [p.label for p in resolve_policies(["base", str(tiny_run)])]
+    assert labels == ["base", "epoch-1", "epoch-2", "final"]
+    assert [p.label for p in resolve_policies([str(tiny_run / "checkpoints" / "epoch-000001")])] == ["epoch-1"]
+    with pytest.raises(FileNotFoundError, match="no-such-run"):
+        resolve_policies([str(tmp_path / "no-such-run")])
+
+
+def test_final_equals_the_last_checkpoint_policy_and_differs_from_base(tiny_run, tiny_sd3_dir):
+    policies = {p.label: p for p in resolve_policies(["base", str(tiny_run)])}
+    images = {label: sample_images(load_policy(policies[label], str(tiny_sd3_dir)), ["a photo of a red circle"],
+                                   [0, 1], steps=3, guidance=1.0)
+              for label in ("base", "epoch-2", "final")}
+    torch.testing.assert_close(images["final"], images["epoch-2"], rtol=0, atol=1e-6)
+    assert (images["final"] - images["base"]).abs().max() > 1e-3  # training moved the policy
+
+
+def _find_tile(grid: np.ndarray, tile: np.ndarray) -> list[tuple[int, int]]:
+    """Every (y, x) at which ``tile`` appears in ``grid`` exactly."""
+    h, w = tile.shape[:2]
+    hits = []
+    ys, xs = np.nonzero(np.all(grid[: grid.shape[0] - h + 1, : grid.shape[1] - w + 1] == tile[0, 0], axis=-1))
+    for y, x in zip(ys, xs):
+        if np.array_equal(grid[y:y + h, x:x + w], tile):
+            hits.append((int(y), int(x)))
+    return hits
+
+
+def test_grid_cells_are_the_samples_each_policy_draws_from_the_same_seed(tiny_run, tiny_sd3_dir, tmp_path):
+    prompts = ["a photo of a red circle", "a photo of two squares"]
+    common = ["--model", str(tiny_sd3_dir), "--steps", "3", "--seeds", "0,1"]
+    grid_path = tmp_path / "grid.png"
+    assert main(["grid", *common, "--policies", "base", str(tiny_run / "final"),
+                 "--prompt", prompts[0], "--prompt", prompts[1], "--out", str(grid_path)]) == 0
+    grid = np.asarray(Image.open(grid_path).convert("RGB"))
+    positions = {}
+    for name, weights in (("base", []), ("final", ["--weights", str(tiny_run / "final")])):
+        assert main(["sample", *common, *weights, prompts[1], "--out", str(tmp_path / f"{name}-{{seed}}.png")]) == 0
+        sample = np.asarray(Image.open(tmp_path / f"{name}-1.png"))
+        scale = -(-96 // max(sample.shape[:2]))
+        hits = _find_tile(grid, sample.repeat(scale, 0).repeat(scale, 1))
+        assert len(hits) == 1, f"{name} seed 1 should appear exactly once in the grid"
+        positions[name] = hits[0]
+    # row 1 (second prompt); the final policy's columns come after base's two seeds
+    assert positions["base"][0] == positions["final"][0]
+    assert positions["final"][1] > positions["base"][1]
+    assert (tmp_path / "grid.txt").read_text().splitlines() == [f"row {i}: {p}" for i, p in enumerate(prompts)]
+
+
+def test_eval_scores_two_rewards_per_category_and_resumes(tiny_run, tiny_sd3_dir, tmp_path):
+    out = tmp_path / "eval"
+    argv = ["eval", "--model", str(tiny_sd3_dir), "--steps", "3", "--seeds", "0,1", "--max-prompts", "6",
+            "--policies", "base", str(tiny_run / "final"), "--rewards", "shapes,jpeg_compressibility",
+            "--out", str(out)]
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary) == ["base", "final"]
+    for entry in summary.values():
+        assert entry["samples"] == 6 * 2
+        for metric in ("shapes/accuracy", "shapes/score", "jpeg_compressibility/jpeg_compressibility"):
+            assert np.isfinite(entry[metric])
+            assert entry[f"{metric}_category_mean"] == pytest.approx(
+                np.mean(list(entry[f"{metric}_by_category"].values())))
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 24 and len({(r["policy"], r["index"], r["seed"]) for r in rows}) == 24
+    base_rows = [r for r in rows if r["policy"] == "base"]
+    assert summary["base"]["shapes/score"] == pytest.approx(np.mean([r["shapes/score"] for r in base_rows]))
+    with open(out / "summary.csv") as f:
+        table = list(csv.DictReader(f))
+    assert {r["policy"] for r in table} == {"base", "final"}
+    assert any(r["metric"] == "shapes/accuracy" and r["category"] == "all" for r in table)
+
+    # Interrupt: keep 7 lines and half of the 8th, as a crash mid-write leaves them; rerun resumes.
+    lines = (out / "samples.jsonl").read_text().splitlines(keepends=True)
+    (out / "samples.jsonl").write_text("".join(lines[:7]) + lines[7][:20])
+    assert main(argv) == 0
+    after = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert after[:7] == rows[:7] and len(after) == 24  # the cut line dropped, only the missing 17 redone
+    assert sorted((r["policy"], r["index"], r["seed"]) for r in after) == sorted(
+        (r["policy"], r["index"], r["seed"]) for r in rows)
+    again = json.loads((out / "summary.json").read_text())
+    for label in summary:
+        for metric in ("shapes/score", "jpeg_compressibility/jpeg_compressibility"):
+            assert again[label][metric] == pytest.approx(summary[label][metric], abs=1e-6)
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (.ci/run installs it from Debian)")
+def test_report_renders_images_and_charts_in_headless_chromium(tiny_run, tiny_sd3_dir, tmp_path):
+    eval_dir = tmp_path / "eval"
+    assert main(["eval", "--model", str(tiny_sd3_dir), "--steps", "2", "--seeds", "0", "--max-prompts", "2",
+                 "--policies", "base", str(tiny_run), "--rewards", "shapes,jpeg_compressibility",
+                 "--out", str(eval_dir)]) == 0
+    page = tmp_path / "report" / "index.html"
+    assert main(["report", str(tiny_run), "--eval", str(eval_dir), "--out", str(page)]) == 0
+    html = page.read_text()
+    assert "training reward" in html and "epoch-2" in html and "shapes/accuracy" in html
+    run = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
+                          "--v=0", "--virtual-time-budget=5000", "--dump-dom", page.as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    body = run.stdout[run.stdout.index("<body"):][:300]
+    assert 'data-status="ok"' in body, body
+    n_images = int(body.split('data-images="')[1].split('"')[0])
+    assert n_images >= 3  # before, after, epoch grids and before_after
+    assert int(body.split('data-charts="')[1].split('"')[0]) >= 4
+    console = [line for line in run.stderr.splitlines() if "CONSOLE" in line]
+    assert not console, console
