@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -53,13 +54,21 @@ def cmd_train(args) -> int:
 
 def cmd_grid(args) -> int:
     from flowalign.evaluation import load_policy, resolve_policies, sample_images
-    from flowalign.grids import labelled_grid, save_grid
+    from flowalign.grids import as_image_cells, labelled_grid, save_gif, save_grid
     from flowalign.prompts import load_prompts
 
     prompts = args.prompt or [p["prompt"] for p in load_prompts(args.prompts)][: args.max_prompts]
     seeds, policies = _seeds(args), resolve_policies(args.policies)
     per_policy = [sample_images(load_policy(p, args.model, args.family), prompts, seeds, args.steps, args.guidance)
                   for p in policies]
+    if per_policy[0].ndim == 5:  # videos: one GIF per cell next to the contact-sheet grid
+        gif_dir = Path(args.out).with_suffix("")
+        for policy, videos in zip(policies, per_policy):
+            for k, video in enumerate(videos):
+                r, s = divmod(k, len(seeds))
+                save_gif(video, gif_dir / f"row{r}-{policy.label.replace('/', '_')}-seed{seeds[s]}.gif")
+        print(f"wrote GIFs to {gif_dir}/")
+    per_policy = [as_image_cells(samples) for samples in per_policy]
     # [P, R·S, ...] → row-major (prompt, policy, seed)
     images = torch.stack(per_policy).unflatten(1, (len(prompts), len(seeds))).transpose(0, 1).flatten(0, 2)
     columns = {p.label: [f"seed {s}" for s in seeds] for p in policies}
@@ -88,6 +97,26 @@ def cmd_report(args) -> int:
 
     path = build_report(args.run, args.out, args.eval or [], args.image or [])
     print(f"wrote {path}")
+    return 0
+
+
+def cmd_reward_server(args) -> int:
+    import json
+
+    from reward_models.base import build_reward
+    from reward_models.remote import make_server
+
+    reward = build_reward(args.reward, **json.loads(args.kwargs))
+    server = make_server(reward, args.reward, args.host, args.port, args.max_batch, int(args.max_payload_mb * 2**20))
+    host, port = server.server_address[:2]
+    print(f"serving reward {args.reward!r} on http://{host}:{port} (GET /health, POST /score); Ctrl-C stops",
+          flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
     return 0
 
 
@@ -150,6 +179,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image", action="append", help="an extra PNG to include, e.g. a flowalign grid (repeatable)")
     p.add_argument("--out", default=None, help="default: RUN/report/index.html")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("reward-server", help="serve a registered reward over HTTP for remote training processes",
+                       description="Train with it: reward.name=remote 'reward.kwargs={url: http://HOST:PORT}'. "
+                                   "Binds 127.0.0.1 unless --host is given; requests arriving together are "
+                                   "scored in one batch.")
+    p.add_argument("--reward", required=True, help="a registered reward name, e.g. shapes")
+    p.add_argument("--kwargs", default="{}", help="JSON keyword arguments for the reward")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 exposes it to the network)")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--max-batch", type=int, default=64, help="most samples per reward call")
+    p.add_argument("--max-payload-mb", type=float, default=64, help="larger requests are refused (HTTP 413)")
+    p.set_defaults(func=cmd_reward_server)
 
     p = sub.add_parser("sample", help="images for one prompt, one file per seed")
     _add_model_args(p)

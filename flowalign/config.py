@@ -55,6 +55,8 @@ class DataConfig:
     # "shapes:<split>" (the built-in world: train | test | all) or a .txt / .jsonl prompt file
     train_prompts: str = "shapes:train"
     eval_prompts: str = "shapes:test"
+    # draw a category ("tag") uniformly, then a prompt in it; otherwise every prompt is equally likely
+    balance_tags: bool = False
 
 
 @dataclass

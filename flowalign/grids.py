@@ -1,12 +1,17 @@
-"""Image grids: prompts × seeds, and before/after comparisons, saved as one PNG."""
+"""Grids: prompts × (policy, seed) cells saved as one labelled PNG; before/after comparisons.
+
+Every cell is an image [3, H, W]. Other modalities become image cells first: a video
+[T, 3, H, W] becomes a contact sheet of evenly spaced frames (``contact_sheet``, and
+``save_gif`` keeps the motion), a waveform [N] becomes a log-magnitude spectrogram strip
+(``spectrogram_strip``).
+"""
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import torch
-import textwrap
-
 from PIL import Image, ImageDraw, ImageFont
 
 
@@ -58,6 +63,51 @@ def labelled_grid(images: torch.Tensor, row_labels: list[str], column_groups: di
             draw.text((cx, font_size + 7), column, fill=(90, 90, 90), font=font)
         x += width
     return out
+
+
+def contact_sheet(video: torch.Tensor, frames: int = 4) -> torch.Tensor:
+    """video: float [T, 3, H, W] in [0, 1] → [3, H, frames·W]: ``frames`` evenly spaced frames
+    (first and last included) side by side."""
+    t = video.shape[0]
+    idx = torch.linspace(0, t - 1, min(frames, t)).round().long()
+    return torch.cat(list(video[idx]), dim=-1)
+
+
+def save_gif(video: torch.Tensor, path: str | Path, fps: int = 8, min_side: int = 96) -> None:
+    """video: float [T, 3, H, W] in [0, 1] → an endlessly looping GIF (upscaled like grid cells)."""
+    frames = (video.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    h, w = frames.shape[1:3]
+    scale = max(1, -(-min_side // max(h, w)))
+    images = [Image.fromarray(f).resize((w * scale, h * scale), Image.NEAREST) for f in frames]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    images[0].save(path, save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0)
+
+
+def spectrogram_strip(audio: torch.Tensor, height: int = 64, n_fft: int = 256, floor_db: float = -80.0
+                      ) -> torch.Tensor:
+    """audio: float [N] (mono waveform) → image [3, height, frames]: log-magnitude STFT, low
+    frequencies at the bottom, ``floor_db`` below the peak mapped to black."""
+    spec = torch.stft(audio.float(), n_fft, hop_length=n_fft // 4, window=torch.hann_window(n_fft),
+                      return_complex=True).abs()  # [F, frames]
+    db = 20 * torch.log10(spec.clamp_min(1e-10))
+    level = ((db - db.max()) / -floor_db + 1).clamp(0, 1)
+    level = torch.nn.functional.interpolate(level.flip(0)[None, None], size=(height, level.shape[1]),
+                                            mode="bilinear", align_corners=False)[0, 0]
+    # a simple dark-to-bright colour map: black → purple → orange → yellow
+    return torch.stack([level.sqrt(), level ** 2, (level * (1 - level) * 2.5).clamp(0, 1)])
+
+
+def as_image_cells(samples: torch.Tensor, frames: int = 4) -> torch.Tensor:
+    """Decoded samples of any modality → image cells [B, 3, H, W]: images pass through, videos
+    [B, T, 3, H, W] become contact sheets, waveforms [B, N] spectrogram strips."""
+    if samples.ndim == 4:
+        return samples
+    if samples.ndim == 5:
+        return torch.stack([contact_sheet(v, frames) for v in samples])
+    if samples.ndim == 2:
+        return torch.stack([spectrogram_strip(a) for a in samples])
+    raise ValueError(f"cannot draw samples of shape {tuple(samples.shape)}: expected images [B, 3, H, W], "
+                     "videos [B, T, 3, H, W] or waveforms [B, N]")
 
 
 def side_by_side(panels: dict[str, Image.Image], header: int = 16) -> Image.Image:

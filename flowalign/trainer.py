@@ -94,6 +94,7 @@ class Trainer:
         acc = self.accelerator
         # everything that can fail on bad input fails before the model loads
         self.train_specs = load_prompts(config.data.train_prompts)
+        self.prompt_weights = prompt_weights(self.train_specs, config.data.balance_tags)
         self.eval_specs = load_prompts(config.data.eval_prompts)
         self.reward = build_reward(config.reward.name, **config.reward.kwargs)
         declared = getattr(self.reward, "components", ())
@@ -180,7 +181,8 @@ class Trainer:
         """Draw this process's prompt groups, roll them out with the SDE, decode and reward them."""
         cfg, t, s = self.config, self.config.train, self.config.sampling
         g = self.generators
-        picks = torch.randint(len(self.train_specs), (t.groups_per_epoch,), generator=g["prompts"]).tolist()
+        picks = torch.multinomial(self.prompt_weights, t.groups_per_epoch, replacement=True,
+                                  generator=g["prompts"]).tolist()
         specs = [self.train_specs[i] for i in picks for _ in range(t.group_size)]
         n = len(specs)
         schedule = self.adapter.schedule(s.num_steps)
@@ -431,6 +433,16 @@ class Trainer:
             with open(self.out / "history.jsonl", "w") as f:
                 f.writelines(json.dumps(h) + "\n" for h in self.history)
         return summary
+
+
+def prompt_weights(specs: list[dict], balance_tags: bool) -> torch.Tensor:
+    """Sampling weights [N] of the training prompts: uniform, or (``balance_tags``) uniform over
+    the records' "tag" (GenEval category) first, then over the prompts within it."""
+    if not balance_tags:
+        return torch.ones(len(specs))
+    tags = [spec.get("tag") for spec in specs]
+    counts = {tag: tags.count(tag) for tag in set(tags)}
+    return torch.tensor([1.0 / counts[tag] for tag in tags])
 
 
 def _nanmean(values: torch.Tensor) -> float:

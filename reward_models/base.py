@@ -46,6 +46,7 @@ def register_reward(name: str):
 
 def _load_builtins_and_plugins() -> None:
     import reward_models.jpeg  # noqa: F401  (registers on import)
+    import reward_models.remote  # noqa: F401
     import reward_models.shapes  # noqa: F401
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):

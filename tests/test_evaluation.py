@@ -135,3 +135,32 @@ def test_report_renders_images_and_charts_in_headless_chromium(tiny_run, tiny_sd
     assert int(body.split('data-charts="')[1].split('"')[0]) >= 4
     console = [line for line in run.stderr.splitlines() if "CONSOLE" in line]
     assert not console, console
+
+
+def test_video_cells_are_contact_sheets_and_gifs_keep_every_frame(tmp_path):
+    from flowalign.grids import as_image_cells, save_gif
+
+    video = torch.stack([torch.full((3, 8, 8), t / 5) for t in range(6)])  # frame t has value t/5
+    sheet = as_image_cells(video[None])[0]
+    assert sheet.shape == (3, 8, 32)
+    assert [round(sheet[0, 0, 8 * k].item(), 3) for k in range(4)] == [0.0, 0.4, 0.6, 1.0]  # frames 0, 2, 3, 5
+    save_gif(video, tmp_path / "v.gif")
+    gif = Image.open(tmp_path / "v.gif")
+    assert gif.n_frames == 6
+    gif.seek(5)
+    assert np.asarray(gif.convert("RGB"))[0, 0, 0] == 255
+
+
+def test_spectrogram_strip_puts_a_tone_at_its_frequency():
+    from flowalign.grids import as_image_cells
+
+    rate, height = 8000, 64
+    t = torch.arange(rate) / rate
+    strips = as_image_cells(torch.stack([torch.sin(2 * torch.pi * f * t) for f in (1000.0, 3000.0)]))
+    assert strips.shape[:2] == (2, 3)
+    for strip, f in zip(strips, (1000.0, 3000.0)):
+        brightest = strip[0].mean(-1).argmax().item()  # row 0 is the top: the highest frequency
+        expected = (1 - f / (rate / 2)) * (height - 1)
+        assert abs(brightest - expected) <= 2
+    with pytest.raises(ValueError, match="cannot draw"):
+        as_image_cells(torch.zeros(2, 3, 4))

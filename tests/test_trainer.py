@@ -97,3 +97,17 @@ def test_missing_model_folder_names_the_path(tmp_path):
 
     with pytest.raises(ModelNotFoundError, match=str(tmp_path / "nothing")):
         Trainer(load_config(None, [f"model.path={tmp_path / 'nothing'}", "tracker=none", f"output_dir={tmp_path}"]))
+
+
+def test_balanced_prompt_weights_give_every_category_the_same_mass():
+    from flowalign.trainer import prompt_weights
+    from flowalign.worlds.shapes import CATEGORIES, prompt_split
+
+    specs = prompt_split("train")
+    tags = [spec["tag"] for spec in specs]
+    for balance in (False, True):
+        weights = prompt_weights(specs, balance)
+        mass = {c: sum(w for w, t in zip(weights.tolist(), tags) if t == c) / weights.sum().item() for c in CATEGORIES}
+        expected = {c: 1 / len(CATEGORIES) if balance else tags.count(c) / len(tags) for c in CATEGORIES}
+        assert mass == pytest.approx(expected)
+    assert tags.count("color_attr") / len(tags) > 0.5  # why balancing matters in this world

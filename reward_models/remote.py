@@ -1,0 +1,242 @@
+"""A reward served over HTTP, and the client reward that calls it.
+
+Why: big reward models (VLMs, OCR engines) live on their own GPU or machine and are shared by
+many training processes. The wire format is JSON with the samples as base64 PNG (uint8 images,
+lossless for 8-bit output) or NPY (any float array), never pickle: ``np.load`` runs with
+``allow_pickle=False``, and the request size is bounded before anything is parsed.
+
+Server (``flowalign reward-server --reward NAME``): binds 127.0.0.1 unless told otherwise;
+``GET /health`` answers ``{"status": "ok", "reward": NAME, "components": [...]}``;
+``POST /score`` takes ``{"format": "png"|"npy", "samples": [...], "prompts": [...],
+"metadata": [...]}`` and answers ``{"components": {name: [B floats]}}`` (NaN as null). Requests
+that arrive together are merged into one reward call of at most ``max_batch`` samples (dynamic
+batching), so many small clients still use the model's batch.
+
+Client (reward name ``remote``): ``reward.name=remote reward.kwargs={url: http://host:port}``.
+Each call has a timeout and is retried with exponential backoff; when the server stays
+unreachable the batch is scored NaN, which the trainer drops and counts, so a crashed server
+costs samples, not the run.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import math
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import torch
+from PIL import Image
+
+from reward_models.base import Reward, register_reward
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_PAYLOAD = 64 * 2**20
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def encode_samples(samples: torch.Tensor, fmt: str = "png") -> list[str]:
+    """samples float [B, 3, H, W] in [0, 1] (png) or any float [B, ...] (npy) → B base64 strings."""
+    if fmt == "png":
+        arrays = (samples.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        out = []
+        for array in arrays:
+            buffer = io.BytesIO()
+            Image.fromarray(array).save(buffer, format="PNG")
+            out.append(base64.b64encode(buffer.getvalue()).decode())
+        return out
+    if fmt == "npy":
+        out = []
+        for array in samples.detach().float().cpu().numpy():
+            buffer = io.BytesIO()
+            np.save(buffer, array, allow_pickle=False)
+            out.append(base64.b64encode(buffer.getvalue()).decode())
+        return out
+    raise ValueError(f"format must be 'png' or 'npy', got {fmt!r}")
+
+
+def decode_samples(items: list[str], fmt: str) -> torch.Tensor:
+    """Inverse of ``encode_samples``: float [B, 3, H, W] in [0, 1] (png) or float [B, ...] (npy)."""
+    if fmt == "png":
+        arrays = [np.asarray(Image.open(io.BytesIO(base64.b64decode(s))).convert("RGB")) for s in items]
+        return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255
+    if fmt == "npy":
+        arrays = [np.load(io.BytesIO(base64.b64decode(s)), allow_pickle=False) for s in items]
+        return torch.from_numpy(np.stack(arrays)).float()
+    raise ValueError(f"format must be 'png' or 'npy', got {fmt!r}")
+
+
+# --------------------------------------------------------------------------- server
+
+
+class _Batcher:
+    """One worker thread that merges queued requests into reward calls of ≤ max_batch samples."""
+
+    def __init__(self, reward: Reward, max_batch: int):
+        self.reward, self.max_batch = reward, max_batch
+        self.requests: queue.Queue = queue.Queue()
+        threading.Thread(target=self._work, daemon=True).start()
+
+    def score(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict]) -> dict:
+        done = threading.Event()
+        job = {"samples": samples, "prompts": prompts, "metadata": metadata, "done": done}
+        self.requests.put(job)
+        done.wait()
+        if "error" in job:
+            raise job["error"]
+        return job["result"]
+
+    def _work(self) -> None:
+        while True:
+            jobs = [self.requests.get()]
+            size = len(jobs[0]["prompts"])
+            while size < self.max_batch:
+                try:
+                    job = self.requests.get_nowait()
+                except queue.Empty:
+                    break
+                if size + len(job["prompts"]) > self.max_batch:
+                    self.requests.put(job)  # goes into the next call
+                    break
+                jobs.append(job)
+                size += len(job["prompts"])
+            self._run(jobs)
+
+    def _run(self, jobs: list[dict]) -> None:
+        try:
+            shapes = {tuple(j["samples"].shape[1:]) for j in jobs}
+            if len(shapes) > 1:  # different sizes cannot share one tensor: score them apart
+                for job in jobs:
+                    self._run_one(job)
+                return
+            result = self.reward(torch.cat([j["samples"] for j in jobs]),
+                                 [p for j in jobs for p in j["prompts"]], [m for j in jobs for m in j["metadata"]])
+            lo = 0
+            for job in jobs:
+                n = len(job["prompts"])
+                job["result"] = {k: torch.as_tensor(v, dtype=torch.float32)[lo:lo + n].tolist()
+                                 for k, v in result.items()}
+                lo += n
+        except Exception as error:  # noqa: BLE001  (reported to every waiting client)
+            for job in jobs:
+                job["error"] = error
+        finally:
+            for job in jobs:
+                job["done"].set()
+
+    def _run_one(self, job: dict) -> None:
+        result = self.reward(job["samples"], job["prompts"], job["metadata"])
+        job["result"] = {k: torch.as_tensor(v, dtype=torch.float32).tolist() for k, v in result.items()}
+
+
+def make_server(reward: Reward, name: str, host: str = "127.0.0.1", port: int = 0, max_batch: int = 64,
+                max_payload: int = DEFAULT_MAX_PAYLOAD) -> ThreadingHTTPServer:
+    """A ready-to-serve HTTP server (``server.serve_forever()``); port 0 picks a free port
+    (``server.server_address``)."""
+    batcher = _Batcher(reward, max_batch)
+    components = list(getattr(reward, "components", ()))
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *args):  # quiet by default; errors are answered, not printed
+            log.debug(fmt, *args)
+
+        def _answer(self, code: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/health":
+                self._answer(200, {"status": "ok", "reward": name, "components": components})
+            else:
+                self._answer(404, {"error": f"unknown path {self.path}; use GET /health or POST /score"})
+
+        def do_POST(self):
+            if self.path != "/score":
+                return self._answer(404, {"error": f"unknown path {self.path}; use POST /score"})
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > max_payload:
+                self.close_connection = True
+                return self._answer(413, {"error": f"payload of {length} bytes exceeds the limit of {max_payload}"})
+            try:
+                request = json.loads(self.rfile.read(length))
+                samples = decode_samples(request["samples"], request.get("format", "png"))
+                prompts = list(request["prompts"])
+                metadata = list(request.get("metadata") or [{} for _ in prompts])
+                if not (len(samples) == len(prompts) == len(metadata)):
+                    raise ValueError(f"{len(samples)} samples, {len(prompts)} prompts, {len(metadata)} metadata")
+            except Exception as error:  # noqa: BLE001  (a bad request, answered as such)
+                return self._answer(400, {"error": f"bad request: {type(error).__name__}: {error}"})
+            try:
+                result = batcher.score(samples, prompts, metadata)
+            except Exception as error:  # noqa: BLE001
+                return self._answer(500, {"error": f"reward failed: {type(error).__name__}: {error}"})
+            self._answer(200, {"components": {k: [None if math.isnan(x) else x for x in v]
+                                              for k, v in result.items()}})
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    return server
+
+
+# --------------------------------------------------------------------------- client
+
+
+@register_reward("remote")
+class RemoteReward(Reward):
+    """A reward computed by a ``flowalign reward-server`` (see the module docstring)."""
+
+    def __init__(self, url: str = "http://127.0.0.1:8765", timeout: float = 60.0, retries: int = 3,
+                 backoff: float = 0.5, format: str = "png", components: list[str] | None = None):
+        self.url, self.timeout, self.retries, self.backoff, self.format = url.rstrip("/"), timeout, retries, backoff, format
+        self.components = tuple(components) if components else tuple(self.health()["components"])
+
+    def _request(self, path: str, body: bytes | None = None) -> dict:
+        request = urllib.request.Request(self.url + path, data=body, method="POST" if body is not None else "GET",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            return json.loads(response.read())
+
+    def health(self) -> dict:
+        return self._with_retries(lambda: self._request("/health"))
+
+    def _with_retries(self, call):
+        for attempt in range(self.retries + 1):
+            try:
+                return call()
+            except urllib.error.HTTPError as error:
+                if error.code < 500:  # our request is wrong: retrying cannot help
+                    raise RuntimeError(f"reward server {self.url} refused the request: "
+                                       f"{error.read().decode(errors='replace')}") from error
+                last = error
+            except (urllib.error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError) as error:
+                last = error
+            if attempt < self.retries:
+                time.sleep(self.backoff * 2**attempt)
+        raise ConnectionError(f"reward server {self.url} failed {self.retries + 1} times: {last}")
+
+    def __call__(self, samples, prompts, metadata):
+        body = json.dumps({"format": self.format, "samples": encode_samples(samples, self.format),
+                           "prompts": list(prompts), "metadata": list(metadata)}).encode()
+        try:
+            result = self._with_retries(lambda: self._request("/score", body))["components"]
+        except ConnectionError as error:
+            log.warning("%s; scoring this batch of %d as NaN (dropped by the trainer)", error, len(prompts))
+            return {c: torch.full((len(prompts),), float("nan")) for c in self.components}
+        return {k: torch.tensor([float("nan") if x is None else x for x in v], dtype=torch.float32)
+                for k, v in result.items()}

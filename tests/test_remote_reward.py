@@ -1,0 +1,162 @@
+"""The reward server and its client over real HTTP on 127.0.0.1: equal scores, batching,
+bounded payloads, retries, and a server that is down costing samples instead of the run."""
+
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from flowalign.worlds.shapes import prompt_split, render_scene
+from reward_models.base import Reward, build_reward
+from reward_models.remote import RemoteReward, make_server
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(reward, name="test", **kwargs):
+        server = make_server(reward, name, port=0, **kwargs)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def shapes_batch(n=6):
+    specs = prompt_split("test")[:n]
+    rng = random.Random(0)
+    images = torch.from_numpy(np.stack([np.asarray(render_scene(s, rng)) for s in specs])).permute(0, 3, 1, 2) / 255
+    return images, [s["prompt"] for s in specs], specs
+
+
+def test_remote_scores_equal_local_scores_in_png_and_npy(serve):
+    images, prompts, specs = shapes_batch()
+    for name, fmt in (("shapes", "png"), ("jpeg_compressibility", "npy")):
+        local = build_reward(name)
+        remote = RemoteReward(serve(local, name), format=fmt)
+        assert remote.components == local.components
+        got, want = remote(images, prompts, specs), local(images, prompts, specs)
+        assert set(got) == set(want)
+        for key in want:
+            torch.testing.assert_close(got[key], torch.as_tensor(want[key]), rtol=0, atol=0)
+
+
+def test_health_unknown_paths_and_bounded_payload(serve):
+    url = serve(build_reward("jpeg_compressibility"), "jpeg_compressibility", max_payload=10_000)
+    with urllib.request.urlopen(url + "/health") as response:
+        assert json.loads(response.read()) == {"status": "ok", "reward": "jpeg_compressibility",
+                                               "components": ["jpeg_compressibility"]}
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(url + "/nope")
+    assert error.value.code == 404
+    client = RemoteReward(url, format="npy", retries=0)
+    with pytest.raises(RuntimeError, match="exceeds the limit"):  # 4xx: reported, not retried
+        client(torch.rand(4, 3, 32, 32), ["x"] * 4, [{}] * 4)
+    bad = urllib.request.Request(url + "/score", data=b'{"samples": ["AAAA"], "prompts": []}', method="POST")
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(bad)
+    assert error.value.code == 400 and "bad request" in error.value.read().decode()
+
+
+class CountingReward(Reward):
+    components = ("mean",)
+
+    def __init__(self):
+        self.calls, self.sizes = 0, []
+
+    def __call__(self, samples, prompts, metadata):
+        self.calls += 1
+        self.sizes.append(len(prompts))
+        time.sleep(0.05)  # long enough for concurrent requests to queue up behind this call
+        return {"mean": samples.mean((1, 2, 3))}
+
+
+def test_concurrent_requests_are_merged_into_batches(serve):
+    reward = CountingReward()
+    url = serve(reward, max_batch=16)
+    results, clients = {}, 12
+
+    def one(k):
+        images = torch.full((2, 3, 8, 8), k / clients)
+        results[k] = RemoteReward(url, components=["mean"], format="npy")(images, ["p", "p"], [{}, {}])["mean"]
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k in range(clients):  # every client got its own samples' scores back
+        torch.testing.assert_close(results[k], torch.full((2,), k / clients))
+    assert sum(reward.sizes) == 2 * clients
+    assert reward.calls < clients and max(reward.sizes) <= 16
+
+
+class FlakyReward(Reward):
+    """Fails its first ``failures`` calls, then works."""
+
+    components = ("one",)
+
+    def __init__(self, failures):
+        self.failures = failures
+
+    def __call__(self, samples, prompts, metadata):
+        if self.failures > 0:
+            self.failures -= 1
+            raise RuntimeError("GPU fell off the bus")
+        return {"one": torch.ones(len(prompts))}
+
+
+def test_server_errors_are_retried_with_backoff(serve):
+    url = serve(FlakyReward(failures=2))
+    client = RemoteReward(url, components=["one"], retries=3, backoff=0.01)
+    assert client(torch.rand(2, 3, 8, 8), ["a", "b"], [{}, {}])["one"].tolist() == [1.0, 1.0]
+
+
+def test_a_server_that_is_down_scores_nan_instead_of_raising():
+    client = RemoteReward("http://127.0.0.1:9", components=["score"], retries=1, backoff=0.01, timeout=2)
+    out = client(torch.rand(3, 3, 8, 8), ["a"] * 3, [{}] * 3)
+    assert torch.isnan(out["score"]).all()
+
+
+def test_training_survives_a_reward_server_that_dies(tiny_sd3_dir, tmp_path, serve):
+    from flowalign.trainer import Trainer
+    from test_trainer import tiny_config
+
+    server_url = serve(build_reward("shapes"), "shapes")
+    # a second server that fails every call: its batches come back NaN and are dropped
+    dead_url = serve(FlakyReward(failures=10**9))
+    for url, dropped in ((server_url, 0), (dead_url, 8)):
+        kwargs = f"reward.kwargs={{url: {url}, retries: 0, components: [score, accuracy]}}"
+        trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path / str(dropped), "reward.name=remote", kwargs,
+                                      "train.epochs=1", "train.groups_per_epoch=2"))
+        trainer.train()
+        assert trainer.history[0]["reward/dropped_nan"] == dropped
+        assert all(torch.isfinite(v).all() for v in trainer.adapter.trained_state_dict().values())
+    assert (tmp_path / "8" / "final" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_reward_server_command_serves_until_interrupted():
+    proc = subprocess.Popen([sys.executable, "-m", "flowalign.cli", "reward-server", "--reward", "jpeg_compressibility",
+                             "--port", "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "http://127.0.0.1:" in line
+        url = line.split("on ")[1].split(" ")[0]
+        client = RemoteReward(url)
+        assert client.components == ("jpeg_compressibility",)
+        assert client(torch.zeros(1, 3, 16, 16), ["x"], [{}])["jpeg_compressibility"].item() < 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
