@@ -83,6 +83,7 @@ class TrainConfig:
     kl_beta: float = 0.0
     advantage_clip: float = 5.0
     global_std: bool = False
+    async_reward: bool = True  # score each sampling batch in a thread while the next one samples
     per_prompt_stats: bool = False  # DDPO-style per-prompt tracker instead of group statistics
     ema_decay: float = 0.0  # 0 = off; evaluation uses the EMA weights when on
     mixed_precision: str = "no"  # no | fp16 | bf16 (Accelerate)

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,14 +193,20 @@ class Trainer:
         cond = unique.repeat_interleave(t.group_size)
         noise = group_noise(self.adapter, t.groups_per_epoch, t.group_size, g["noise"], s.shared_group_noise)
         self.adapter.model.eval()
-        parts = []
-        for lo in range(0, n, t.sample_batch_size):
-            sl = slice(lo, lo + t.sample_batch_size)
-            parts.append(rollout(self.adapter, cond[sl], noise[sl], schedule,
-                                 StepPlan(plan.noise_levels, plan.trained[sl]), guidance_scale=s.guidance_scale,
-                                 generator=g["noise"], reduction=s.log_prob_reduction))
+        parts, scored = [], []
+        # One worker thread scores chunk k (a remote call, a CPU verifier) while chunk k + 1 samples.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            for lo in range(0, n, t.sample_batch_size):
+                sl = slice(lo, lo + t.sample_batch_size)
+                part = rollout(self.adapter, cond[sl], noise[sl], schedule,
+                               StepPlan(plan.noise_levels, plan.trained[sl]), guidance_scale=s.guidance_scale,
+                               generator=g["noise"], reduction=s.log_prob_reduction)
+                parts.append(part)
+                images = self.adapter.decode(part.samples)
+                scored.append(pool.submit(self._reward_chunk, images, specs[sl]) if t.async_reward
+                              else _done(self._reward_chunk(images, specs[sl])))
+            components = _cat_components([f.result() for f in scored])
         traj = Trajectory.cat(parts)
-        components = self._score(traj.samples, specs)
         rewards, _ = combine_rewards(components, cfg.reward.weights)
         group_ids = torch.arange(t.groups_per_epoch).repeat_interleave(t.group_size)
         group_ids = group_ids + self.accelerator.process_index * t.groups_per_epoch
@@ -207,13 +214,12 @@ class Trainer:
 
     @torch.no_grad()
     def _score(self, latents: torch.Tensor, specs: list[dict], chunk: int = 64) -> dict[str, torch.Tensor]:
-        parts = []
-        for lo in range(0, len(specs), chunk):
-            images = self.adapter.decode(latents[lo:lo + chunk])
-            sub = specs[lo:lo + chunk]
-            parts.append({k: torch.as_tensor(v, dtype=torch.float32).cpu()
-                          for k, v in self.reward(images, [p["prompt"] for p in sub], sub).items()})
-        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        return _cat_components([self._reward_chunk(self.adapter.decode(latents[lo:lo + chunk]), specs[lo:lo + chunk])
+                                for lo in range(0, len(specs), chunk)])
+
+    def _reward_chunk(self, images: torch.Tensor, specs: list[dict]) -> dict[str, torch.Tensor]:
+        return {k: torch.as_tensor(v, dtype=torch.float32).cpu()
+                for k, v in self.reward(images, [p["prompt"] for p in specs], specs).items()}
 
     def compute_advantages(self, batch: EpochBatch) -> tuple[torch.Tensor, dict]:
         """Group-normalised advantages over every process's samples; returns this process's share."""
@@ -433,6 +439,16 @@ class Trainer:
             with open(self.out / "history.jsonl", "w") as f:
                 f.writelines(json.dumps(h) + "\n" for h in self.history)
         return summary
+
+
+def _cat_components(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def _done(value) -> Future:
+    future = Future()
+    future.set_result(value)
+    return future
 
 
 def prompt_weights(specs: list[dict], balance_tags: bool) -> torch.Tensor:

@@ -111,3 +111,14 @@ def test_balanced_prompt_weights_give_every_category_the_same_mass():
         expected = {c: 1 / len(CATEGORIES) if balance else tags.count(c) / len(tags) for c in CATEGORIES}
         assert mass == pytest.approx(expected)
     assert tags.count("color_attr") / len(tags) > 0.5  # why balancing matters in this world
+
+
+def test_scoring_in_a_thread_changes_nothing(tiny_sd3_dir, tmp_path):
+    runs = {}
+    for flag in ("true", "false"):
+        trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path / flag, "train.epochs=1", "train.sample_batch_size=2",
+                                      f"train.async_reward={flag}"))
+        trainer.train()
+        runs[flag] = trainer.history[0]
+    keys = ["reward/mean", "reward/std", "train/policy_loss", "train/grad_norm"]
+    assert [runs["true"][k] for k in keys] == [runs["false"][k] for k in keys]
