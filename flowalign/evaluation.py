@@ -30,7 +30,7 @@ class Policy:
 
 def resolve_policies(specs: list[str]) -> list[Policy]:
     """``base``, a weights folder, a checkpoint folder (its ``policy/``) or a run folder (every
-    checkpoint in order, then ``final/``). Labels are short and unique: ``base``, ``epoch-20``, ``final``."""
+    checkpoint in order, then ``final/``, which stands for the last checkpoint of a finished run). Labels are short and unique: ``base``, ``epoch-20``, ``final``."""
     policies = []
     for spec in specs:
         if spec == "base":
@@ -40,8 +40,10 @@ def resolve_policies(specs: list[str]) -> list[Policy]:
         if not path.is_dir():
             raise FileNotFoundError(f"no such run, checkpoint or weights folder: {path.resolve()}")
         if (path / "checkpoints").is_dir() or (path / "final").is_dir():  # a run
+            last = _final_epoch(path)  # its checkpoint holds the same weights as final/
             for ckpt in sorted(p for p in (path / "checkpoints").glob("epoch-*") if (p / "policy").is_dir()):
-                policies.append(Policy(_epoch_label(ckpt), ckpt / "policy"))
+                if _epoch_label(ckpt) != last:
+                    policies.append(Policy(_epoch_label(ckpt), ckpt / "policy"))
             if (path / "final").is_dir():
                 policies.append(Policy("final", path / "final"))
         elif (path / "policy").is_dir():  # one checkpoint
@@ -60,6 +62,13 @@ def resolve_policies(specs: list[str]) -> list[Policy]:
 
 def _epoch_label(checkpoint: Path) -> str:
     return f"epoch-{int(checkpoint.name.split('-')[-1])}"
+
+
+def _final_epoch(run: Path) -> str | None:
+    """The label of the checkpoint written with ``final/`` (a finished run's last epoch)."""
+    if not (run / "metrics.json").is_file() or not (run / "final").is_dir():
+        return None
+    return f"epoch-{json.loads((run / 'metrics.json').read_text())['epochs']}"
 
 
 def load_policy(policy: Policy, model: str, family: str = "sd3"):

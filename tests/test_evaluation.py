@@ -27,14 +27,15 @@ def tiny_run(tiny_sd3_dir, tmp_path_factory):
 
 def test_a_run_resolves_to_its_checkpoints_then_final(tiny_run, tmp_path):
     labels = [p.label for p in resolve_policies(["base", str(tiny_run)])]
-    assert labels == ["base", "epoch-1", "epoch-2", "final"]
+    assert labels == ["base", "epoch-1", "final"]  # epoch-2 is final's checkpoint: listed once
     assert [p.label for p in resolve_policies([str(tiny_run / "checkpoints" / "epoch-000001")])] == ["epoch-1"]
     with pytest.raises(FileNotFoundError, match="no-such-run"):
         resolve_policies([str(tmp_path / "no-such-run")])
 
 
 def test_final_equals_the_last_checkpoint_policy_and_differs_from_base(tiny_run, tiny_sd3_dir):
-    policies = {p.label: p for p in resolve_policies(["base", str(tiny_run)])}
+    policies = {p.label: p for p in resolve_policies(["base", str(tiny_run / "checkpoints" / "epoch-000002"),
+                                                      str(tiny_run)])}
     images = {label: sample_images(load_policy(policies[label], str(tiny_sd3_dir)), ["a photo of a red circle"],
                                    [0, 1], steps=3, guidance=1.0)
               for label in ("base", "epoch-2", "final")}
@@ -123,7 +124,7 @@ def test_report_renders_images_and_charts_in_headless_chromium(tiny_run, tiny_sd
     page = tmp_path / "report" / "index.html"
     assert main(["report", str(tiny_run), "--eval", str(eval_dir), "--out", str(page)]) == 0
     html = page.read_text()
-    assert "training reward" in html and "epoch-2" in html and "shapes/accuracy" in html
+    assert "training reward" in html and "epoch-1" in html and "shapes/accuracy" in html
     run = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
                           "--v=0", "--virtual-time-budget=5000", "--dump-dom", page.as_uri()],
                          capture_output=True, text=True, timeout=120)
