@@ -184,7 +184,10 @@ class Trainer:
         g = self.generators
         picks = torch.multinomial(self.prompt_weights, t.groups_per_epoch, replacement=True,
                                   generator=g["prompts"]).tolist()
-        specs = [self.train_specs[i] for i in picks for _ in range(t.group_size)]
+        first_group = self.accelerator.process_index * t.groups_per_epoch
+        # group_id tells group-level rewards (Pref-GRPO win rates) which samples compete
+        specs = [{**self.train_specs[i], "group_id": first_group + k} for k, i in enumerate(picks)
+                 for _ in range(t.group_size)]
         n = len(specs)
         schedule = self.adapter.schedule(s.num_steps)
         plan = plan_steps(s.num_steps, n, s.eta, s.step_mode, fraction=s.fraction, window_size=s.window_size,
@@ -208,8 +211,7 @@ class Trainer:
             components = _cat_components([f.result() for f in scored])
         traj = Trajectory.cat(parts)
         rewards, _ = combine_rewards(components, cfg.reward.weights)
-        group_ids = torch.arange(t.groups_per_epoch).repeat_interleave(t.group_size)
-        group_ids = group_ids + self.accelerator.process_index * t.groups_per_epoch
+        group_ids = torch.tensor([spec["group_id"] for spec in specs])
         return EpochBatch(traj, specs, rewards, components, group_ids)
 
     @torch.no_grad()

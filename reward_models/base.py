@@ -45,7 +45,13 @@ def register_reward(name: str):
 
 
 def _load_builtins_and_plugins() -> None:
-    import reward_models.jpeg  # noqa: F401  (registers on import)
+    import reward_models.aesthetic  # noqa: F401  (registers on import; heavy imports wait for a constructor)
+    import reward_models.clip_score  # noqa: F401
+    import reward_models.hps  # noqa: F401
+    import reward_models.jpeg  # noqa: F401
+    import reward_models.ocr  # noqa: F401
+    import reward_models.pickscore  # noqa: F401
+    import reward_models.pref_grpo  # noqa: F401
     import reward_models.remote  # noqa: F401
     import reward_models.shapes  # noqa: F401
 
