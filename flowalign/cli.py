@@ -44,6 +44,8 @@ def cmd_train(args) -> int:
 
     config = load_config(args.config, args.overrides)
     summary = train(config)
+    if summary.get("interrupted"):  # the trainer said where it stopped and how to continue
+        return 0
     before, after = summary.get("before") or {}, summary.get("after") or {}
     for key in sorted(after):
         if isinstance(after[key], float) and isinstance(before.get(key), float):
@@ -203,12 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from flowalign.config import ConfigError
+    from flowalign.trainer import CheckpointError
     from pipelines.base import ModelNotFoundError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, ModelNotFoundError, FileNotFoundError) as error:
+    except (ConfigError, CheckpointError, ModelNotFoundError, FileNotFoundError) as error:
         print(f"flowalign: error: {error}", file=sys.stderr)
         return 2
 

@@ -88,6 +88,11 @@ class TrainConfig:
     ema_decay: float = 0.0  # 0 = off; evaluation uses the EMA weights when on
     mixed_precision: str = "no"  # no | fp16 | bf16 (Accelerate)
     seed: int = 0
+    # random streams: the global batch is drawn as this many shards, each with its own prompt, noise
+    # and shuffling generators seeded by (seed, shard); a process rolls out its shards one after
+    # another. Default (None): one shard per process. The same value on runs with different numbers
+    # of processes (and the same global batch) makes them sample the same data (docs/distributed.md).
+    rng_shards: Optional[int] = None
 
 
 @dataclass
@@ -245,6 +250,7 @@ def check_values(config: RunConfig, where: str = "config") -> None:
         ("train.epochs", t.epochs >= 0, "must be ≥ 0"),
         ("train.clip_range", t.clip_range > 0, "must be > 0"),
         ("train.ema_decay", 0 <= t.ema_decay < 1, "must be in [0, 1)"),
+        ("train.rng_shards", t.rng_shards is None or t.rng_shards >= 1, "must be ≥ 1 (or null: one per process)"),
         ("sampling.num_steps", s.num_steps >= 2, "must be ≥ 2 (the last step is never trained)"),
         ("sampling.eta", s.eta > 0, "must be > 0 to train (η = 0 is ODE sampling)"),
         ("model.lora_rank", config.model.lora_rank >= 0, "must be ≥ 0 (0 = full fine-tuning)"),

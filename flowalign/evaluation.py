@@ -29,8 +29,13 @@ class Policy:
 
 
 def resolve_policies(specs: list[str]) -> list[Policy]:
+    from flowalign.trainer import checkpoint_folders
+
     """``base``, a weights folder, a checkpoint folder (its ``policy/``) or a run folder (every
-    checkpoint in order, then ``final/``, which stands for the last checkpoint of a finished run). Labels are short and unique: ``base``, ``epoch-20``, ``final``."""
+    checkpoint in order, then ``final/``, which stands for the last checkpoint of a finished run).
+    Labels are short and unique: ``base``, ``epoch-20``, ``final``."""
+    from flowalign.trainer import checkpoint_folders
+
     policies = []
     for spec in specs:
         if spec == "base":
@@ -41,7 +46,7 @@ def resolve_policies(specs: list[str]) -> list[Policy]:
             raise FileNotFoundError(f"no such run, checkpoint or weights folder: {path.resolve()}")
         if (path / "checkpoints").is_dir() or (path / "final").is_dir():  # a run
             last = _final_epoch(path)  # its checkpoint holds the same weights as final/
-            for ckpt in sorted(p for p in (path / "checkpoints").glob("epoch-*") if (p / "policy").is_dir()):
+            for ckpt in [c for c in checkpoint_folders(path / "checkpoints") if (c / "policy").is_dir()]:
                 if _epoch_label(ckpt) != last:
                     policies.append(Policy(_epoch_label(ckpt), ckpt / "policy"))
             if (path / "final").is_dir():

@@ -1,18 +1,32 @@
 """The training loop: the only place that knows the order of rollout → rewards → advantages →
 updates, and Accelerate, checkpoints and logging (``../shared/DESIGN.md``).
 
-Randomness: one seed per run. Each process owns generators for prompt choice, initial noise / SDE
-noise and minibatch shuffling, seeded by (seed, rank); the step plan uses a generator shared by
-all processes, so every process trains the same steps. All generator states go into checkpoints,
-so a resumed run continues the same streams and reproduces the uninterrupted run.
+Randomness: one seed per run. The global batch is drawn as ``train.rng_shards`` shards (default:
+one per process); each shard owns generators for prompt choice, initial noise / SDE noise and
+minibatch shuffling, seeded by (seed, shard), and a process rolls out its shards one after
+another. The step plan uses a generator shared by all processes, so every process trains the same
+steps. One process with S shards thus samples what S processes sample (tests/test_distributed.py).
+All generator states go into checkpoints, so a resumed run continues the same streams and
+reproduces the uninterrupted run.
+
+Faults (docs/distributed.md): SIGTERM / SIGINT stop the run after the epoch in progress, with a
+checkpoint; a checkpoint is written to ``epoch-N.tmp/``, renamed when complete, lists its files'
+sizes, and is read and checked whole before any of it is applied; an optimizer step whose loss or
+gradient is not finite is skipped on every process and counted; a full disk is named as such.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import pickle
+import re
 import shutil
+import signal
+import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,6 +34,8 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
@@ -34,6 +50,47 @@ from pipelines import adapter_class
 from reward_models.base import build_reward
 
 EVAL_SEED = 20_241_202  # the held-out evaluation always uses the same noise: before/after are paired
+CHECKPOINT_NAME = re.compile(r"epoch-(\d+)")  # complete checkpoints only: not *.tmp (being written), *.old (going)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read or written; the message names the file."""
+
+
+class DiskFullError(CheckpointError):
+    """The disk (or the quota) filled up while a checkpoint was written; the previous one is untouched."""
+
+
+class GracefulStop:
+    """While active, the first SIGTERM or SIGINT only sets ``requested`` (the signal's name): the
+    loop finishes its epoch, checkpoints and returns. The old handlers come back at once, so a
+    second signal acts as usual (SIGINT raises KeyboardInterrupt, SIGTERM terminates). Handlers can
+    only be installed from the main thread; elsewhere this does nothing."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "GracefulStop":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = signal.Signals(signum).name
+        self._restore()
+        print(f"flowalign: {self.requested} received: stopping after this epoch with a checkpoint "
+              "(send it again to stop at once)", file=sys.stderr, flush=True)
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
 
 
 class EMA:
@@ -87,13 +144,25 @@ class Trainer:
     def __init__(self, config: RunConfig):
         check_values(config)
         self.config = config
-        t = config.train
+        t, s = config.train, config.sampling
         self.out = Path(config.output_dir)
+        # backward passes per optimizer step: one per trained step of the rollout (Accelerate's
+        # gradient accumulation, so DDP syncs and DeepSpeed steps once, on the last of them)
+        accumulation = int((plan_steps(s.num_steps, 1, s.eta, s.step_mode, fraction=s.fraction,
+                                       window_size=s.window_size, window_start=s.window_start,
+                                       generator=torch.Generator()).noise_levels > 0).sum())
         self.accelerator = Accelerator(
-            mixed_precision=t.mixed_precision, project_dir=str(self.out),
+            mixed_precision=t.mixed_precision, project_dir=str(self.out), gradient_accumulation_steps=accumulation,
             log_with=None if config.tracker == "none" else config.tracker)
         acc = self.accelerator
         # everything that can fail on bad input fails before the model loads
+        if acc.gradient_accumulation_steps != accumulation:
+            raise ConfigError(f"the launch config sets gradient_accumulation_steps={acc.gradient_accumulation_steps}; "
+                              f"remove it: the trainer accumulates each minibatch over its {accumulation} trained "
+                              "steps")
+        self.shards = local_shards(t.rng_shards or acc.num_processes, acc.num_processes, acc.process_index,
+                                   t.groups_per_epoch, t.train_batch_size)
+        self._check_backend(accumulation)
         self.train_specs = load_prompts(config.data.train_prompts)
         self.prompt_weights = prompt_weights(self.train_specs, config.data.balance_tags)
         self.eval_specs = load_prompts(config.data.eval_prompts)
@@ -122,55 +191,111 @@ class Trainer:
                                       weight_decay=t.weight_decay)
         self.model, self.optimizer = acc.prepare(self.adapter.trainable(), optimizer)
         self.ema = EMA(self.params, t.ema_decay) if t.ema_decay > 0 else None
-        self.tracker = PerPromptStatTracker(clip=t.advantage_clip) if t.per_prompt_stats else None
-
-        seed, rank = t.seed, acc.process_index
-        self.generators = {
-            name: torch.Generator().manual_seed(seed * 1_000_003 + rank * 7919 + offset)
-            for offset, name in enumerate(("prompts", "noise", "shuffle"))
-        }
-        self.generators["plan"] = torch.Generator().manual_seed(seed * 1_000_003 + 104_729)  # shared by ranks
+        # per shard, like the streams: a prompt's reward history is kept where its samples are drawn
+        self.trackers = [PerPromptStatTracker(clip=t.advantage_clip) for _ in self.shards] if t.per_prompt_stats \
+            else None
+        self.streams = [shard_generators(t.seed, shard) for shard in self.shards]
+        self.plan_generator = torch.Generator().manual_seed(t.seed * 1_000_003 + 104_729)  # shared by processes
         self.epoch = 0
         self.history: list[dict] = []
         self.evals: dict[str, dict] = {}
 
+    def _check_backend(self, accumulation: int) -> None:
+        """FSDP and DeepSpeed: settings the loop needs (untested here: no GPU, docs/distributed.md)."""
+        acc, t = self.accelerator, self.config.train
+        if acc.distributed_type == DistributedType.FSDP:
+            if acc.is_fsdp2:
+                raise ConfigError("FSDP2 (fsdp_version: 2) is not supported by the trainer yet; use fsdp_version: 1 "
+                                  "(configs/accelerate/fsdp.yaml)")
+            if not acc.state.fsdp_plugin.use_orig_params:
+                raise ConfigError("FSDP needs fsdp_use_orig_params: true (only a subset of the weights trains)")
+            if t.ema_decay > 0:
+                raise ConfigError("train.ema_decay > 0 is not supported under FSDP (the average would be of "
+                                  "sharded weights); set it to 0")
+        if acc.distributed_type == DistributedType.DEEPSPEED:
+            ds = acc.state.deepspeed_plugin.deepspeed_config
+            ds["train_micro_batch_size_per_gpu"] = t.train_batch_size  # no dataloader to read it from
+            ds["gradient_accumulation_steps"] = accumulation
+            if ds.get("gradient_clipping", "auto") == "auto":
+                ds["gradient_clipping"] = t.max_grad_norm
+
+    @property
+    def _sharded(self) -> bool:
+        """Each process holds only a part of the weights or of the optimizer state."""
+        return self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+
+    def _full_params(self, writeback: bool = False):
+        """Under FSDP, the full weights on every process for the block (sampling, evaluation and
+        state dicts use the unwrapped model); a no-op otherwise. Every process must enter it."""
+        if self.accelerator.distributed_type != DistributedType.FSDP:
+            return contextlib.nullcontext()
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel.summon_full_params(self.model, writeback=writeback)
+
+    def _across_processes(self, values: list[float]) -> torch.Tensor:
+        """float64 [P, K]: every process's ``values`` (one gather; float64 keeps logged floats exact)."""
+        acc = self.accelerator
+        local = torch.tensor([values], dtype=torch.float64, device=acc.device)
+        return (acc.gather(local) if acc.num_processes > 1 else local).cpu()
+
     # -- the loop ------------------------------------------------------------------------
     def train(self) -> dict:
+        """The whole run. SIGTERM / SIGINT at any time during it stop the run after the epoch in
+        progress with a checkpoint (during the last epoch: the run just finishes)."""
         cfg, acc = self.config, self.accelerator
-        if cfg.resume:
-            self.load_checkpoint(self._resolve_resume(cfg.resume))
-        if acc.is_main_process:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-        if cfg.tracker != "none":
-            acc.init_trackers(self.out.name or "flowalign", config=_flat(to_dict(cfg)))
-        if "before" not in self.evals:
-            self.evals["before"] = self.evaluate("before")
-        start = time.time()
-        bar = tqdm(range(self.epoch, cfg.train.epochs), desc="epochs", disable=not acc.is_main_process,
-                   initial=self.epoch, total=cfg.train.epochs)
-        for epoch in bar:
-            stats = self.train_epoch()
-            self.epoch = epoch + 1
-            self.history.append(stats)
-            acc.log(stats, step=self.epoch)
-            bar.set_postfix(reward=f"{stats['reward/mean']:.3f}", clipfrac=f"{stats.get('train/clipfrac', 0):.2f}")
-            if cfg.eval.every and self.epoch % cfg.eval.every == 0 and self.epoch < cfg.train.epochs:
-                self.evals[f"epoch-{self.epoch}"] = self.evaluate(f"epoch-{self.epoch}")
-            if cfg.checkpoint_every and self.epoch % cfg.checkpoint_every == 0:
-                self.save_checkpoint()
-        self.evals["after"] = self.evaluate("after")
-        self.save_checkpoint()
-        summary = self._write_outputs(time.time() - start)
+        with GracefulStop() as stop:
+            if cfg.resume:
+                self.resume(cfg.resume)
+            if acc.is_main_process:
+                self.out.mkdir(parents=True, exist_ok=True)
+                (self.out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+            if cfg.tracker != "none":
+                acc.init_trackers(self.out.name or "flowalign", config=_flat(to_dict(cfg)))
+            if "before" not in self.evals:
+                self.evals["before"] = self.evaluate("before")
+            start = time.time()
+            bar = tqdm(range(self.epoch, cfg.train.epochs), desc="epochs", disable=not acc.is_main_process,
+                       initial=self.epoch, total=cfg.train.epochs)
+            for epoch in bar:
+                stats = self.train_epoch()
+                self.epoch = epoch + 1
+                self.history.append(stats)
+                acc.log(stats, step=self.epoch)
+                bar.set_postfix(reward=f"{stats['reward/mean']:.3f}", clipfrac=f"{stats.get('train/clipfrac', 0):.2f}")
+                if cfg.eval.every and self.epoch % cfg.eval.every == 0 and self.epoch < cfg.train.epochs:
+                    self.evals[f"epoch-{self.epoch}"] = self.evaluate(f"epoch-{self.epoch}")
+                saved = None
+                if cfg.checkpoint_every and self.epoch % cfg.checkpoint_every == 0:
+                    saved = self.save_checkpoint()
+                # every process stops at the same epoch, whichever of them got the signal
+                if self.epoch < cfg.train.epochs and self._across_processes([stop.requested is not None]).any():
+                    bar.close()
+                    return self._stopped(stop.requested or "a signal to another process",
+                                         saved or self.save_checkpoint())
+            self.evals["after"] = self.evaluate("after")
+            self.save_checkpoint()
+            summary = self._write_outputs(time.time() - start)
         acc.end_training()
         return summary
+
+    def _stopped(self, signal_name: str, checkpoint: Path) -> dict:
+        """The summary of a run stopped by a signal: no final eval, no ``final/`` (the run is not done)."""
+        acc = self.accelerator
+        if acc.is_main_process:
+            tqdm.write(f"stopped by {signal_name} after epoch {self.epoch}/{self.config.train.epochs}; checkpoint "
+                       f"{checkpoint}; continue with resume=auto")
+        acc.end_training()
+        return {"interrupted": signal_name, "checkpoint": str(checkpoint), "epochs": self.epoch,
+                "before": self.evals.get("before"), "after": None, "evals": self.evals}
 
     def train_epoch(self) -> dict:
         t0 = time.time()
         warmup = self.config.train.warmup_epochs
         for group in self.optimizer.param_groups:  # linear warm-up, a pure function of the epoch
             group["lr"] = self.config.train.learning_rate * min(1.0, (self.epoch + 1) / (warmup + 1))
-        batch = self.sample_epoch()
+        with self._full_params():
+            batch = self.sample_epoch()
         advantages, stats = self.compute_advantages(batch)
         stats.update(self.update_policy(batch, advantages))
         stats["time/epoch_s"] = time.time() - t0
@@ -179,40 +304,46 @@ class Trainer:
         return stats
 
     def sample_epoch(self) -> EpochBatch:
-        """Draw this process's prompt groups, roll them out with the SDE, decode and reward them."""
+        """Draw this process's prompt groups shard by shard, each from its own streams; roll them
+        out with the SDE, decode and reward them."""
         cfg, t, s = self.config, self.config.train, self.config.sampling
-        g = self.generators
-        picks = torch.multinomial(self.prompt_weights, t.groups_per_epoch, replacement=True,
-                                  generator=g["prompts"]).tolist()
-        first_group = self.accelerator.process_index * t.groups_per_epoch
-        # group_id tells group-level rewards (Pref-GRPO win rates) which samples compete
-        specs = [{**self.train_specs[i], "group_id": first_group + k} for k, i in enumerate(picks)
-                 for _ in range(t.group_size)]
-        n = len(specs)
+        groups = t.groups_per_epoch // len(self.shards)
         schedule = self.adapter.schedule(s.num_steps)
-        plan = plan_steps(s.num_steps, n, s.eta, s.step_mode, fraction=s.fraction, window_size=s.window_size,
-                          window_start=s.window_start, generator=g["plan"])
-        unique = self.adapter.encode([self.train_specs[i]["prompt"] for i in picks])
-        cond = unique.repeat_interleave(t.group_size)
-        noise = group_noise(self.adapter, t.groups_per_epoch, t.group_size, g["noise"], s.shared_group_noise)
+        # one plan for a shard's samples from the generator all processes share: every shard trains the same steps
+        plan = plan_steps(s.num_steps, groups * t.group_size, s.eta, s.step_mode, fraction=s.fraction,
+                          window_size=s.window_size, window_start=s.window_start, generator=self.plan_generator)
         self.adapter.model.eval()
-        parts, scored = [], []
+        parts, specs, scored = [], [], []
         # One worker thread scores chunk k (a remote call, a CPU verifier) while chunk k + 1 samples.
         with ThreadPoolExecutor(max_workers=1) as pool:
-            for lo in range(0, n, t.sample_batch_size):
-                sl = slice(lo, lo + t.sample_batch_size)
-                part = rollout(self.adapter, cond[sl], noise[sl], schedule,
-                               StepPlan(plan.noise_levels, plan.trained[sl]), guidance_scale=s.guidance_scale,
-                               generator=g["noise"], reduction=s.log_prob_reduction)
-                parts.append(part)
-                images = self.adapter.decode(part.samples)
-                scored.append(pool.submit(self._reward_chunk, images, specs[sl]) if t.async_reward
-                              else _done(self._reward_chunk(images, specs[sl])))
+            for shard, streams in zip(self.shards, self.streams):
+                shard_specs, cond, noise = self._draw_groups(shard, streams, groups)
+                for lo in range(0, len(shard_specs), t.sample_batch_size):
+                    sl = slice(lo, lo + t.sample_batch_size)
+                    part = rollout(self.adapter, cond[sl], noise[sl], schedule,
+                                   StepPlan(plan.noise_levels, plan.trained[sl]), guidance_scale=s.guidance_scale,
+                                   generator=streams["noise"], reduction=s.log_prob_reduction)
+                    parts.append(part)
+                    images = self.adapter.decode(part.samples)
+                    scored.append(pool.submit(self._reward_chunk, images, shard_specs[sl]) if t.async_reward
+                                  else _done(self._reward_chunk(images, shard_specs[sl])))
+                specs += shard_specs
             components = _cat_components([f.result() for f in scored])
         traj = Trajectory.cat(parts)
         rewards, _ = combine_rewards(components, cfg.reward.weights)
         group_ids = torch.tensor([spec["group_id"] for spec in specs])
         return EpochBatch(traj, specs, rewards, components, group_ids)
+
+    def _draw_groups(self, shard: int, streams: dict[str, torch.Generator], groups: int):
+        """A shard's prompt groups: (specs, conditioning, initial noise), groups × group_size of each."""
+        t, s = self.config.train, self.config.sampling
+        picks = torch.multinomial(self.prompt_weights, groups, replacement=True, generator=streams["prompts"]).tolist()
+        # group_id (unique over all shards) tells group-level rewards (Pref-GRPO win rates) which samples compete
+        specs = [{**self.train_specs[i], "group_id": shard * groups + k} for k, i in enumerate(picks)
+                 for _ in range(t.group_size)]
+        cond = self.adapter.encode([self.train_specs[i]["prompt"] for i in picks]).repeat_interleave(t.group_size)
+        noise = group_noise(self.adapter, groups, t.group_size, streams["noise"], s.shared_group_noise)
+        return specs, cond, noise
 
     @torch.no_grad()
     def _score(self, latents: torch.Tensor, specs: list[dict], chunk: int = 64) -> dict[str, torch.Tensor]:
@@ -224,7 +355,9 @@ class Trainer:
                 for k, v in self.reward(images, [p["prompt"] for p in specs], specs).items()}
 
     def compute_advantages(self, batch: EpochBatch) -> tuple[torch.Tensor, dict]:
-        """Group-normalised advantages over every process's samples; returns this process's share."""
+        """Group-normalised advantages over every process's samples (a group lives on one shard, its
+        id is unique over all of them); returns this process's share [B], NaN where a sample must
+        not train: its reward was dropped or its advantage is not finite (``adv/nonfinite``)."""
         acc, t = self.accelerator, self.config.train
         device = acc.device
         rewards = acc.gather(batch.rewards.to(device)).cpu()
@@ -238,52 +371,89 @@ class Trainer:
         stats["reward/mean"] = rewards[valid].mean().item() if valid.any() else float("nan")
         stats["reward/std"] = rewards[valid].std(unbiased=False).item() if valid.any() else float("nan")
         stats["reward/dropped_nan"] = int((~valid).sum())
-        if self.tracker is not None:
-            # per process: each prompt's history is kept where its samples are drawn
-            local = self.tracker.update([spec["prompt"] for spec in batch.specs], batch.rewards)
+        n = len(batch.specs)
+        if self.trackers is not None:
+            size = n // len(self.trackers)
+            local = torch.cat([tracker.update([spec["prompt"] for spec in batch.specs[k * size:(k + 1) * size]],
+                                              batch.rewards[k * size:(k + 1) * size])
+                               for k, tracker in enumerate(self.trackers)])
         else:
             adv, adv_stats = group_advantages(rewards, group_ids, global_std=t.global_std, clip=t.advantage_clip)
-            n = len(batch.specs)
             local = adv[acc.process_index * n:(acc.process_index + 1) * n]
             stats.update({f"adv/{k}": v for k, v in adv_stats.items()})
-        stats["adv/abs_mean"] = local.abs().mean().item()
+        nonfinite = ~torch.isfinite(local)  # e.g. rewards so large that their mean overflows
+        local = torch.where(nonfinite | ~torch.isfinite(batch.rewards), float("nan"), local)
+        every = self._across_processes([float(nonfinite.sum()), torch.nan_to_num(local).abs().mean().item()])
+        stats["adv/nonfinite"] = int(every[:, 0].sum())
+        stats["adv/abs_mean"] = every[:, 1].mean().item()
         return local, stats
 
     def update_policy(self, batch: EpochBatch, advantages: torch.Tensor) -> dict:
         """Inner epochs over shuffled minibatches; one optimizer step per minibatch, gradients
-        accumulated over its trained steps (each step's loss weighted 1 / number of steps)."""
+        accumulated over its trained steps (each step's loss weighted 1 / number of steps). Samples
+        with a NaN advantage get no gradient. A step whose loss or gradient is not finite on any
+        process is skipped on every process (weights, optimizer state and EMA untouched) and
+        counted in ``train/skipped_nonfinite``; the other stats average the steps taken."""
         acc, t = self.accelerator, self.config.train
         traj, device = batch.traj, acc.device
-        valid = torch.isfinite(batch.rewards).to(device)
-        advantages = advantages.to(device)
+        valid = torch.isfinite(advantages).to(device)
+        advantages = torch.nan_to_num(advantages, nan=0.0).to(device)
         steps = [j for j in range(len(traj.noise_levels)) if traj.noise_levels[j] > 0]
-        n = len(batch.specs)
+        if len(steps) != acc.gradient_accumulation_steps:  # the accumulation must close on each minibatch's last step
+            raise RuntimeError(f"{len(steps)} trained steps, Accelerate accumulates {acc.gradient_accumulation_steps}")
+        if not self._across_processes([float(valid.any())]).any():  # every sample dropped: nothing to learn
+            return {"train/skipped": 1.0, "train/skipped_nonfinite": 0.0}
         totals: dict[str, float] = {}
-        count = 0
-        if not valid.any():  # every sample was dropped: nothing to learn from this epoch
-            return {"train/skipped": 1.0}
+        count, skipped = 0, 0
         self.model.train()
         for _ in range(t.inner_epochs):
-            order = torch.randperm(n, generator=self.generators["shuffle"]).to(device)
-            for lo in range(0, n, t.train_batch_size):
-                idx = order[lo:lo + t.train_batch_size]
+            for idx in self._minibatches(len(batch.specs)):
                 sub, adv = traj[idx], advantages[idx]
-                for k, j in enumerate(steps):
-                    sync = k == len(steps) - 1
-                    with (contextlib.nullcontext() if sync else acc.no_sync(self.model)), acc.autocast():
+                step_totals, finite = {}, True
+                for j in steps:
+                    with acc.accumulate(self.model), acc.autocast():
                         loss, step_stats = self._step_loss(sub, j, adv, sub.trained[:, j] & valid[idx])
-                        acc.backward(loss / len(steps))
+                        acc.backward(loss)  # Accelerate divides by the number of steps accumulated
+                    finite &= bool(torch.isfinite(loss.detach()))
                     for key, value in step_stats.items():
-                        totals[key] = totals.get(key, 0.0) + float(value)
-                    count += 1
-                grad_norm = acc.clip_grad_norm_(self.params, t.max_grad_norm)
-                totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(grad_norm) * len(steps)
-                self.optimizer.step()
+                        step_totals[key] = step_totals.get(key, 0.0) + float(value)
+                grad_norm = acc.clip_grad_norm_(self._clip_parameters(), t.max_grad_norm)  # None under DeepSpeed
+                finite &= grad_norm is None or bool(torch.isfinite(torch.as_tensor(grad_norm)))
+                if self._across_processes([float(not finite)]).any():
+                    skipped += 1
+                    if acc.scaler is not None:
+                        self.optimizer.step()  # fp16: the GradScaler skips it itself and lowers its scale
+                else:
+                    self.optimizer.step()
+                    if self.ema is not None:
+                        self.ema.update()
+                    if grad_norm is not None:
+                        step_totals["grad_norm"] = float(grad_norm) * len(steps)
+                    for key, value in step_totals.items():
+                        totals[key] = totals.get(key, 0.0) + value
+                    count += len(steps)
                 self.optimizer.zero_grad(set_to_none=True)
-                if self.ema is not None:
-                    self.ema.update()
         self.model.eval()
-        return {f"train/{k}": v / max(count, 1) for k, v in totals.items()}
+        stats = {f"train/{k}": v / max(count, 1) for k, v in sorted(totals.items())}
+        stats["train/skipped_nonfinite"] = float(skipped)
+        means = self._across_processes(list(stats.values())).mean(dim=0).tolist()  # same keys on every process
+        return dict(zip(stats, means))
+
+    def _minibatches(self, n: int) -> list[torch.Tensor]:
+        """Index sets [train_batch_size] of one inner epoch: each shard shuffles its own samples with
+        its own stream and minibatch k takes the k-th slice of every shard, so one process with S
+        shards trains on the minibatches S processes together train on."""
+        shards, size = len(self.streams), self.config.train.train_batch_size // len(self.streams)
+        per_shard = n // shards
+        order = torch.stack([torch.randperm(per_shard, generator=streams["shuffle"]) + k * per_shard
+                             for k, streams in enumerate(self.streams)])
+        return [order[:, lo:lo + size].flatten().to(self.accelerator.device) for lo in range(0, per_shard, size)]
+
+    def _clip_parameters(self) -> list[torch.nn.Parameter]:
+        # FSDP clips on its wrapper (a collective over the shards) only when given all its parameters
+        if self.accelerator.distributed_type == DistributedType.FSDP:
+            return list(self.model.parameters())
+        return self.params
 
     def _step_loss(self, sub: Trajectory, j: int, adv: torch.Tensor, weight: torch.Tensor):
         t, s = self.config.train, self.config.sampling
@@ -293,8 +463,11 @@ class Trainer:
         out = sde_transition(*args, prev_sample=x_next, reduction=s.log_prob_reduction, model=self.model)
         ref_mean = None
         if t.kl_beta > 0:
+            # under FSDP a LoRA's reference (adapters off) must run through the wrapper that holds the shards
+            fsdp_lora = self.accelerator.distributed_type == DistributedType.FSDP and self.config.model.lora_rank > 0
             with torch.no_grad(), self.adapter.reference():
-                ref_mean = sde_transition(*args, prev_sample=x_next, reduction=s.log_prob_reduction).mean
+                ref_mean = sde_transition(*args, prev_sample=x_next, reduction=s.log_prob_reduction,
+                                          model=self.model if fsdp_lora else None).mean
         return flow_grpo_loss(out.log_prob, sub.log_probs[:, j], adv, clip_range=t.clip_range, beta=t.kl_beta,
                               mean=out.mean, ref_mean=ref_mean, std=out.std, weight=weight,
                               reduction=s.log_prob_reduction)
@@ -306,13 +479,15 @@ class Trainer:
         components overall and per category (the "tag" of GenEval-style records)."""
         acc = self.accelerator
         result: dict = {}
-        if acc.is_main_process:
-            with self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext():
-                result = self._evaluate_main(label)
-            tqdm.write(f"eval {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items() if isinstance(v, float)))
-            acc.log({f"eval/{k}": v for k, v in _flat(result).items() if isinstance(v, (int, float))},
-                    step=self.epoch)
-        acc.wait_for_everyone()
+        with self._full_params():
+            if acc.is_main_process:
+                with self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext():
+                    result = self._evaluate_main(label)
+                tqdm.write(f"eval {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()
+                                                         if isinstance(v, float)))
+                acc.log({f"eval/{k}": v for k, v in _flat(result).items() if isinstance(v, (int, float))},
+                        step=self.epoch)
+            acc.wait_for_everyone()
         return result
 
     def _evaluate_main(self, label: str) -> dict:
@@ -357,68 +532,175 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
         """``checkpoints/epoch-NNNNNN/``: trained weights (safetensors), optimizer, EMA, every
-        generator state and the counters, plus ``policy/`` (the evaluated weights, EMA if used, in
-        the format of ``final/``); written to a temporary folder, then renamed."""
+        shard's generator states (and prompt trackers), the counters, a manifest of every file's
+        size, plus ``policy/`` (the evaluated weights, EMA if used, in the format of ``final/``).
+        Written to ``epoch-NNNNNN.tmp/``, renamed when complete. Refuses non-finite weights; a full
+        disk raises DiskFullError and leaves the previous checkpoints as they were."""
         acc = self.accelerator
+        bad = any(not torch.isfinite(p).all() for p in self.params + (self.ema.shadow if self.ema else []))
+        if self._across_processes([bad]).any():
+            raise CheckpointError(f"refusing to write checkpoint epoch-{self.epoch:06d}: the trained weights hold "
+                                  "NaN/Inf (the non-finite guards should have skipped that step; please report it)")
         final = self.out / "checkpoints" / f"epoch-{self.epoch:06d}"
         tmp = final.with_name(final.name + ".tmp")
+        try:
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            acc.wait_for_everyone()
+            self._write_process_state(tmp)
+            acc.wait_for_everyone()  # every process's files are in place before the manifest lists them
+            with self._full_params():
+                if acc.is_main_process:
+                    self._write_main_state(tmp)
+                acc.wait_for_everyone()
+        except Exception as error:
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if _is_disk_full(error):
+                previous = checkpoint_folders(final.parent)
+                raise DiskFullError(
+                    f"disk full while writing checkpoint {tmp} (free: {_free_mb(final.parent)} MB; {error}). The "
+                    f"partial folder was removed; the previous checkpoint ({previous[-1] if previous else 'none'}) "
+                    "is untouched. Free some space (or lower checkpoints_kept) and continue with resume=auto"
+                ) from error
+            raise
         if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        acc.wait_for_everyone()
-        save_file({f"{k}": v.get_state() for k, v in self.generators.items()},
-                  tmp / f"rng-rank{acc.process_index}.safetensors")
-        if acc.is_main_process:
-            save_file({k: v.detach().cpu().contiguous() for k, v in self.adapter.trained_state_dict().items()},
-                      tmp / "trained.safetensors")
-            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-            if self.ema is not None:
-                save_file(self.ema.state_dict(), tmp / "ema.safetensors")
-            with self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext():
-                self.adapter.save_trained(tmp / "policy")  # what grid/eval load, like final/
-            state = {"epoch": self.epoch, "history": self.history, "evals": self.evals,
-                     "num_processes": acc.num_processes,
-                     "stat_tracker": self.tracker.state_dict() if self.tracker else None}
-            (tmp / "state.json").write_text(json.dumps(state))
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
+            _replace_folder(tmp, final)
+            _fsync([final.parent])  # the rename itself
             self._prune_checkpoints()
         acc.wait_for_everyone()
         return final
 
-    def _prune_checkpoints(self) -> None:
-        kept = self.config.checkpoints_kept
-        done = sorted(p for p in (self.out / "checkpoints").glob("epoch-*") if not p.name.endswith(".tmp"))
-        for old in done[:-kept] if kept > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+    def _write_process_state(self, folder: Path) -> None:
+        """What each process owns: its shards' generators and trackers; its optimizer shard if sharded."""
+        for k, (shard, streams) in enumerate(zip(self.shards, self.streams)):
+            save_file({**{name: g.get_state() for name, g in streams.items()}, "plan": self.plan_generator.get_state()},
+                      folder / f"rng-shard{shard}.safetensors")
+            if self.trackers is not None:
+                (folder / f"tracker-shard{shard}.json").write_text(json.dumps(self.trackers[k].state_dict()))
+        if self._sharded:
+            _torch_save(self.optimizer.state_dict(), folder / f"optimizer-rank{self.accelerator.process_index}.pt")
 
-    def _resolve_resume(self, resume: str) -> Path:
-        if resume != "auto":
+    def _write_main_state(self, folder: Path) -> None:
+        acc = self.accelerator
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.adapter.trained_state_dict().items()},
+                  folder / "trained.safetensors")
+        if not self._sharded:
+            _torch_save(self.optimizer.state_dict(), folder / "optimizer.pt")
+        if self.ema is not None:
+            save_file(self.ema.state_dict(), folder / "ema.safetensors")
+        with self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext():
+            self.adapter.save_trained(folder / "policy")  # what grid/eval load, like final/
+        state = {"epoch": self.epoch, "history": self.history, "evals": self.evals,
+                 "num_processes": acc.num_processes, "rng_shards": len(self.shards) * acc.num_processes,
+                 "files": {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
+                           if p.is_file()}}
+        (folder / "state.json").write_text(json.dumps(state))
+        _fsync([*sorted(p for p in folder.rglob("*") if p.is_file()), folder])  # data on disk before the rename
+
+    def _prune_checkpoints(self) -> None:
+        """Keep the newest ``checkpoints_kept``; remove what killed runs left behind (*.tmp, *.old)."""
+        folder, kept = self.out / "checkpoints", self.config.checkpoints_kept
+        for old in checkpoint_folders(folder)[:-kept] if kept > 0 else []:
+            _remove_folder(old)
+        for stale in folder.glob("epoch-*"):
+            if stale.suffix in (".tmp", ".old"):
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def resume(self, resume: str) -> None:
+        """Continue from ``resume``: a checkpoint folder, or "auto": the newest checkpoint in
+        output_dir that every process reads completely. With "auto", a newer checkpoint that cannot
+        be read is reported and skipped (never deleted); if checkpoints exist but none can be read,
+        CheckpointError. With nothing saved yet, "auto" starts afresh."""
+        if resume == "auto":
+            candidates = checkpoint_folders(self.out / "checkpoints")[::-1]
+            if not candidates:
+                return
+        else:
             path = Path(resume)
             if not (path / "state.json").is_file():
                 raise FileNotFoundError(f"no checkpoint at {path.resolve()} (expected state.json inside)")
-            return path
-        done = sorted(p for p in (self.out / "checkpoints").glob("epoch-*") if not p.name.endswith(".tmp"))
-        return done[-1] if done else None
+            candidates = [path]
+        reasons = []
+        for path in candidates:
+            try:
+                loaded, error = self.read_checkpoint(path), None
+            except CheckpointError as e:
+                loaded, error = None, e
+            if not self._across_processes([error is not None]).any():  # all processes agree on one checkpoint
+                self._apply_checkpoint(loaded)
+                if self.accelerator.is_main_process:
+                    tqdm.write(f"resuming from {path} (epoch {self.epoch})")
+                return
+            if error is not None:
+                print(f"flowalign: resume: skipping {path}: {error}", file=sys.stderr, flush=True)
+            if resume != "auto":
+                raise error or CheckpointError(f"{path}: another process could not read its part (see its message)")
+            reasons.append(f"{path.name}: {error or 'another process could not read its part'}")
+        raise CheckpointError(f"no readable checkpoint in {self.out / 'checkpoints'} ({'; '.join(reasons)}). Nothing "
+                              "was deleted: move the broken folders away to start afresh, or set resume= to one")
 
-    def load_checkpoint(self, path: Path | None) -> None:
-        if path is None:  # resume=auto with nothing saved yet: a fresh start
-            return
+    def load_checkpoint(self, path: Path) -> None:
+        """Read and apply one checkpoint (CheckpointError, naming the file, if any part is unreadable)."""
+        self._apply_checkpoint(self.read_checkpoint(Path(path)))
+
+    def read_checkpoint(self, path: Path) -> dict:
+        """Everything this process needs from ``path``, read and checked before any of it is applied:
+        the manifest's sizes, every safetensors header, the optimizer (``weights_only``: tensors
+        and plain containers, no pickled code), finite weights. Raises CheckpointError naming the
+        file; ValueError when the checkpoint is fine but was written by another process layout."""
         acc = self.accelerator
-        state = json.loads((path / "state.json").read_text())
+        state = _read_json(path / "state.json")
+        if not isinstance(state, dict) or not {"epoch", "history", "evals", "num_processes"} <= set(state):
+            raise CheckpointError(f"{path / 'state.json'}: not a flowalign checkpoint state (epoch, history, evals, "
+                                  "num_processes)")
+        shards = len(self.shards) * acc.num_processes
         if state["num_processes"] != acc.num_processes:
             raise ValueError(f"{path} was written by {state['num_processes']} processes; resume with the same "
                              f"number (got {acc.num_processes}) so every random stream continues")
-        self.adapter.load_trained_state_dict(load_file(path / "trained.safetensors", device=str(acc.device)))
-        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=acc.device))
+        if state.get("rng_shards", state["num_processes"]) != shards:
+            raise ValueError(f"{path} was written with train.rng_shards={state.get('rng_shards')}; resume with the "
+                             f"same (got {shards}) so every random stream continues")
+        for name, size in state.get("files", {}).items():  # checkpoints before the manifest have none
+            file = path / name
+            if not file.is_file():
+                raise CheckpointError(f"{file}: missing (the checkpoint is incomplete)")
+            if file.stat().st_size != size:
+                raise CheckpointError(f"{file}: {file.stat().st_size} bytes, {size} when written (truncated or "
+                                      "overwritten)")
+        # all on the CPU ("cpu:0", a multi-CPU run's device, is no map location): loading copies into place
+        trained = _read_safetensors(path / "trained.safetensors")
+        if not all(torch.isfinite(v).all() for v in trained.values()):
+            raise CheckpointError(f"{path / 'trained.safetensors'}: holds NaN/Inf weights")
+        expected = {} if self.accelerator.distributed_type == DistributedType.FSDP else \
+            {k: tuple(v.shape) for k, v in self.adapter.trained_state_dict().items()}
+        if expected and expected != {k: tuple(v.shape) for k, v in trained.items()}:
+            raise CheckpointError(f"{path / 'trained.safetensors'}: its tensors do not fit this model (another "
+                                  "model.lora_rank, lora_targets or model?)")
+        optimizer = _read_torch(path / (f"optimizer-rank{acc.process_index}.pt" if self._sharded else "optimizer.pt"))
+        rng = [_read_safetensors(_first_file(path / f"rng-shard{s}.safetensors", path / f"rng-rank{s}.safetensors"))
+               for s in self.shards]
+        trackers = None
+        if self.trackers is not None:  # old checkpoints: one tracker (the main process's) in state.json
+            trackers = [_read_json(path / f"tracker-shard{s}.json") if (path / f"tracker-shard{s}.json").is_file()
+                        else state.get("stat_tracker") or {} for s in self.shards]
+        return {"state": state, "trained": trained, "optimizer": optimizer, "rng": rng, "trackers": trackers,
+                "ema": _read_safetensors(path / "ema.safetensors") if self.ema is not None else None}
+
+    def _apply_checkpoint(self, loaded: dict) -> None:
+        with self._full_params(writeback=True):
+            self.adapter.load_trained_state_dict(loaded["trained"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
         if self.ema is not None:
-            self.ema.load_state_dict(load_file(path / "ema.safetensors", device=str(acc.device)))
-        for k, v in load_file(path / f"rng-rank{acc.process_index}.safetensors").items():
-            self.generators[k].set_state(v)
-        if self.tracker is not None and state["stat_tracker"] is not None:
-            self.tracker.load_state_dict(state["stat_tracker"])
+            self.ema.load_state_dict(loaded["ema"])
+        for streams, states in zip(self.streams, loaded["rng"]):
+            for name, g in streams.items():
+                g.set_state(states[name])
+        self.plan_generator.set_state(loaded["rng"][0]["plan"])
+        for tracker, state in zip(self.trackers or [], loaded["trackers"] or []):
+            tracker.load_state_dict(state)
+        state = loaded["state"]
         self.epoch, self.history, self.evals = state["epoch"], state["history"], state["evals"]
 
     # -- outputs -------------------------------------------------------------------------
@@ -426,9 +708,12 @@ class Trainer:
         acc = self.accelerator
         summary = {"before": self.evals.get("before"), "after": self.evals.get("after"),
                    "evals": self.evals, "train_minutes": seconds / 60, "epochs": self.epoch}
+        with self._full_params():
+            if acc.is_main_process:
+                with self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext():
+                    self.adapter.save_trained(self.out / "final")
+            acc.wait_for_everyone()
         if acc.is_main_process:
-            with self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext():
-                self.adapter.save_trained(self.out / "final")
             before, after = summary["before"], summary["after"]
             if before and after:
                 summary["delta"] = {k: after[k] - before[k] for k in after
@@ -441,6 +726,126 @@ class Trainer:
             with open(self.out / "history.jsonl", "w") as f:
                 f.writelines(json.dumps(h) + "\n" for h in self.history)
         return summary
+
+
+def local_shards(shards: int, processes: int, rank: int, groups_per_epoch: int, train_batch_size: int) -> list[int]:
+    """The shards process ``rank`` rolls out: a contiguous run, so gathering in rank order keeps
+    the shard order. Raises ConfigError when the numbers do not divide."""
+    if shards % processes:
+        raise ConfigError(f"config: train.rng_shards ({shards}) must be a multiple of the number of processes "
+                          f"({processes})")
+    per_process = shards // processes
+    for key, value in (("train.groups_per_epoch", groups_per_epoch), ("train.train_batch_size", train_batch_size)):
+        if value % per_process:
+            raise ConfigError(f"config: {key} ({value}) must be a multiple of the shards per process ({per_process})")
+    return list(range(rank * per_process, (rank + 1) * per_process))
+
+
+def shard_generators(seed: int, shard: int) -> dict[str, torch.Generator]:
+    """A shard's streams: prompt choice, initial and SDE noise, minibatch shuffling. Shard r is
+    seeded as rank r was before shards existed, so one-shard-per-process runs are unchanged."""
+    return {name: torch.Generator().manual_seed(seed * 1_000_003 + shard * 7919 + offset)
+            for offset, name in enumerate(("prompts", "noise", "shuffle"))}
+
+
+def checkpoint_folders(folder: Path) -> list[Path]:
+    """Complete checkpoints in ``folder``, oldest first (by epoch number, not by name)."""
+    found = [(int(m.group(1)), p) for p in folder.glob("epoch-*") if (m := CHECKPOINT_NAME.fullmatch(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def _replace_folder(src: Path, dst: Path) -> None:
+    """Rename ``src`` onto ``dst``. An existing ``dst`` is first renamed aside to ``*.old``, so a
+    crash at any moment leaves each folder either complete under its name or ignored."""
+    if dst.exists():
+        _remove_folder(dst, then=lambda: os.replace(src, dst))
+    else:
+        os.replace(src, dst)
+
+
+def _remove_folder(path: Path, then=None) -> None:
+    """Rename aside (``*.old``, atomic), run ``then``, delete: never a half-deleted checkpoint under its name."""
+    old = path.with_name(path.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(path, old)
+    if then is not None:
+        then()
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync(paths: list[Path]) -> None:
+    """Flush files and folders to disk, so that after a power loss a renamed checkpoint holds its
+    data rather than empty files (which the manifest would catch, falling back one checkpoint)."""
+    for path in paths:
+        # a file's error counts (fsync may be where a full disk shows); a folder's is ignored, since
+        # some systems cannot open or sync folders
+        with contextlib.suppress(OSError) if path.is_dir() else contextlib.nullcontext():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
+
+
+def _is_disk_full(error: BaseException | None) -> bool:
+    """ENOSPC / EDQUOT anywhere in the exception chain, also where a writer reports it only in its
+    message (safetensors' Rust writer: "... (os error 28)")."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT) \
+                or any(text in str(error) for text in DISK_FULL_TEXT):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _free_mb(folder: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(folder).free / 2**20:.1f}"
+    except OSError:
+        return "?"
+
+
+def _torch_save(obj, path: Path) -> None:
+    # through a Python file: a full disk then surfaces as OSError(ENOSPC) in the exception chain,
+    # where torch.save(obj, path) reports only "unexpected pos"
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
+def _first_file(*paths: Path) -> Path:
+    return next((p for p in paths if p.is_file()), paths[0])
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (the checkpoint is incomplete)") from None
+    except (ValueError, OSError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{path}: unreadable, not JSON ({error}); the file is corrupt") from error
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (the checkpoint is incomplete)")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: unreadable safetensors file ({error}); it is truncated or corrupt") from error
+
+
+def _read_torch(path: Path):
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (the checkpoint is incomplete)")
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError) as error:
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise CheckpointError(f"{path}: unreadable ({first_line}); it is truncated or corrupt, or holds more than "
+                              "tensors and plain containers") from error
 
 
 def _cat_components(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

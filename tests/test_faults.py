@@ -1,0 +1,245 @@
+"""Faults a long run meets: SIGKILL at random moments, SIGTERM, corrupt or half-written
+checkpoints, a full disk, non-finite advantages, losses and gradients. Each is survived, or
+refused with a message that names the file, and a resumed run still equals the uninterrupted one."""
+
+import errno
+import json
+import math
+import random
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import flowalign.trainer as trainer_module
+from flowalign.trainer import CheckpointError, DiskFullError, Trainer
+from reward_models.base import Reward, register_reward
+from test_distributed import one_thread  # noqa: F401  (autouse)
+from test_distributed import history, run, start, train_command, wait_until_started, write_config
+from test_trainer import tiny_config
+
+EPOCHS = 10
+# every epoch checkpointed, two minibatches (the shuffle stream matters), EMA (its state must resume too)
+RUN = (f"train.epochs={EPOCHS}", "checkpoint_every=1", "checkpoints_kept=2", "train.train_batch_size=4",
+       "train.ema_decay=0.9")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_sd3_dir, tmp_path_factory):
+    """The uninterrupted run: (config, its output folder, seconds from "eval before" to the end)."""
+    folder = tmp_path_factory.mktemp("reference")
+    config = write_config(tiny_sd3_dir, folder / "faults.yaml", *RUN)
+    out, log = folder / "run", folder / "run.log"
+    proc = start(train_command(config, out), log)
+    wait_until_started(proc, log)
+    began = time.time()
+    assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
+    return config, out, time.time() - began
+
+
+def assert_same_run(out, reference_out):
+    """Bit for bit: every logged statistic but timings, final (EMA) and raw weights, optimizer state."""
+    def stats(folder):
+        return [{k: v for k, v in h.items() if not k.startswith("time/")} for h in history(folder)]
+
+    assert stats(out) == stats(reference_out)
+    last = f"checkpoints/epoch-{EPOCHS:06d}"
+    for name in ("final/pytorch_lora_weights.safetensors", f"{last}/trained.safetensors", f"{last}/ema.safetensors"):
+        got, want = load_file(out / name), load_file(reference_out / name)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), name
+    got, want = (torch.load(f / last / "optimizer.pt", weights_only=True)["state"] for f in (out, reference_out))
+    assert all(torch.equal(got[i][k], want[i][k]) for i in want for k in want[i])
+    metrics = [json.loads((f / "metrics.json").read_text())["after"] for f in (out, reference_out)]
+    assert metrics[0] == metrics[1]
+
+
+def test_killed_at_random_moments_the_run_resumes_to_the_same_result(reference, tmp_path):
+    config, reference_out, seconds = reference
+    out, rng, kills = tmp_path / "run", random.Random(7), 0
+    for attempt in range(4):
+        log = tmp_path / f"attempt-{attempt}.log"
+        proc = start(train_command(config, out, "resume=auto"), log)
+        wait_until_started(proc, log)
+        time.sleep(rng.uniform(0.05, 0.3) * seconds)  # mid-epoch, mid-checkpoint, mid-eval: wherever it lands
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.wait(timeout=60)
+    run(train_command(config, out, "resume=auto"), tmp_path / "last.log")
+    assert kills >= 3
+    resumed = sum("resuming from" in (tmp_path / f"attempt-{k}.log").read_text() for k in range(1, 4))
+    assert resumed >= 2 or "resuming from" in (tmp_path / "last.log").read_text()
+    assert_same_run(out, reference_out)
+
+
+def test_sigterm_checkpoints_exits_cleanly_and_resume_continues_exactly(reference, tmp_path):
+    config, reference_out, _ = reference
+    out, log = tmp_path / "run", tmp_path / "stopped.log"
+    proc = start(train_command(config, out, "checkpoint_every=0"), log)  # the signal alone writes the checkpoint
+    wait_until_started(proc, log)
+    proc.send_signal(signal.SIGTERM)  # during epoch 1 (or the end of the first eval): stops after epoch 1
+    assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+    assert "stopped by SIGTERM after epoch 1/" in log.read_text()
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["epoch-000001"]
+    assert not (out / "final").exists()  # the run is not finished
+    run(train_command(config, out, "resume=auto", "checkpoint_every=0"), tmp_path / "resumed.log")
+    assert_same_run(out, reference_out)
+
+
+def short_run(tiny_sd3_dir, out, *overrides):
+    trainer = Trainer(tiny_config(tiny_sd3_dir, out, "train.epochs=2", "checkpoint_every=1", "checkpoints_kept=3",
+                                  "train.train_batch_size=4", *overrides))
+    trainer.train()
+    return trainer
+
+
+def resumed(tiny_sd3_dir, out, resume="auto"):
+    trainer = Trainer(tiny_config(tiny_sd3_dir, out, "train.epochs=2", "train.train_batch_size=4"))
+    trainer.resume(resume)
+    return trainer
+
+
+def test_leftovers_of_a_killed_save_are_ignored(tiny_sd3_dir, tmp_path, capsys):
+    short_run(tiny_sd3_dir, tmp_path)
+    ckpts = tmp_path / "checkpoints"
+    (ckpts / "epoch-000004.tmp").mkdir()  # killed while writing
+    (ckpts / "epoch-000004.tmp" / "state.json").write_text('{"epoch": 4')
+    shutil.copytree(ckpts / "epoch-000002", ckpts / "epoch-000003")
+    (ckpts / "epoch-000003" / "trained.safetensors").unlink()  # killed while deleting
+    assert resumed(tiny_sd3_dir, tmp_path).epoch == 2
+    err = capsys.readouterr().err
+    assert "skipping" in err and "epoch-000003/trained.safetensors: missing" in err and "epoch-000004" not in err
+
+
+def test_corrupt_checkpoint_files_are_rejected_with_their_name(tiny_sd3_dir, tmp_path, capsys):
+    first = short_run(tiny_sd3_dir, tmp_path)
+    one, two = tmp_path / "checkpoints" / "epoch-000001", tmp_path / "checkpoints" / "epoch-000002"
+    weights = two / "trained.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated
+    with pytest.raises(CheckpointError, match=r"epoch-000002/trained\.safetensors: \d+ bytes, \d+ when written"):
+        resumed(tiny_sd3_dir, tmp_path, str(two))
+    # auto falls back to the newest good checkpoint, says why, and continues exactly
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, "train.epochs=2", "checkpoint_every=1",
+                                  "train.train_batch_size=4", "resume=auto"))
+    trainer.train()
+    assert "skipping" in capsys.readouterr().err
+    keys = ["reward/mean", "train/policy_loss", "train/grad_norm"]
+    assert [[h[k] for k in keys] for h in trainer.history] == [[h[k] for k in keys] for h in first.history]
+
+    (one / "state.json").write_text("{ not json")
+    with pytest.raises(CheckpointError, match=r"epoch-000001/state\.json: unreadable, not JSON"):
+        resumed(tiny_sd3_dir, tmp_path, str(one))
+    optimizer = two / "optimizer.pt"
+    optimizer.write_bytes(b"\0" * optimizer.stat().st_size)  # same size: only parsing can tell
+    with pytest.raises(CheckpointError, match=r"epoch-000002/optimizer\.pt: unreadable"):
+        resumed(tiny_sd3_dir, tmp_path, str(two))
+    with pytest.raises(CheckpointError, match=r"no readable checkpoint in .*epoch-000002: .*epoch-000001: "):
+        resumed(tiny_sd3_dir, tmp_path)
+
+
+class Pickled:  # not a tensor: weights_only loading must refuse to run its pickle
+    pass
+
+
+def test_only_tensors_are_unpickled_from_a_checkpoint(tiny_sd3_dir, tmp_path):
+    short_run(tiny_sd3_dir, tmp_path, "train.epochs=1")
+    folder = tmp_path / "checkpoints" / "epoch-000001"
+    torch.save({"state": {}, "param_groups": [], "payload": Pickled()}, folder / "optimizer.pt")
+    state = json.loads((folder / "state.json").read_text())
+    state["files"]["optimizer.pt"] = (folder / "optimizer.pt").stat().st_size  # a consistent manifest
+    (folder / "state.json").write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=r"optimizer\.pt: unreadable \(Weights only load failed"):
+        resumed(tiny_sd3_dir, tmp_path, str(folder))
+
+
+def test_a_full_disk_is_named_and_the_previous_checkpoint_kept(tiny_sd3_dir, tmp_path, monkeypatch):
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, "train.epochs=2"))
+    trainer.train_epoch()
+    trainer.epoch = 1
+    good = trainer.save_checkpoint()
+    before = {p.name: p.read_bytes() for p in good.iterdir() if p.is_file()}
+    trainer.train_epoch()
+    trainer.epoch = 2
+    real_save_file = trainer_module.save_file
+
+    def full_disk(tensors, path, *args, **kwargs):
+        if str(path).endswith("trained.safetensors"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_save_file(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "save_file", full_disk)
+    with pytest.raises(DiskFullError, match=r"disk full while writing checkpoint .*epoch-000002\.tmp .*"
+                                            r"epoch-000001\) is untouched"):
+        trainer.save_checkpoint()
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["epoch-000001"]  # partial folder removed
+    assert {p.name: p.read_bytes() for p in good.iterdir() if p.is_file()} == before
+    assert resumed(tiny_sd3_dir, tmp_path).epoch == 1
+
+
+def test_a_nan_loss_skips_the_step_on_unchanged_weights_and_is_counted(tiny_sd3_dir, tmp_path, monkeypatch):
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path))  # one minibatch of 3 trained steps per epoch
+    calls, real_loss = [], trainer_module.flow_grpo_loss
+
+    def nan_on_second_call(*args, **kwargs):
+        loss, stats = real_loss(*args, **kwargs)
+        calls.append(1)
+        return (loss * float("nan"), stats) if len(calls) == 2 else (loss, stats)
+
+    monkeypatch.setattr(trainer_module, "flow_grpo_loss", nan_on_second_call)
+    initial = [p.detach().clone() for p in trainer.params]
+    stats = trainer.train_epoch()
+    assert stats["train/skipped_nonfinite"] == 1 and "train/policy_loss" not in stats
+    assert all(torch.equal(p, q) for p, q in zip(trainer.params, initial))  # the step was not taken
+    assert not trainer.optimizer.state  # nor did Adam's moments see it
+    stats = trainer.train_epoch()  # the next step is clean
+    assert stats["train/skipped_nonfinite"] == 0 and math.isfinite(stats["train/policy_loss"])
+    assert not all(torch.equal(p, q) for p, q in zip(trainer.params, initial))
+    assert all(torch.isfinite(p).all() for p in trainer.params)
+
+
+def test_a_nonfinite_gradient_skips_the_step_and_is_counted(tiny_sd3_dir, tmp_path):
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, "train.train_batch_size=4"))  # two minibatches
+    fired = []
+
+    def inf_once(grad):
+        fired.append(1)
+        return torch.full_like(grad, float("inf")) if len(fired) == 1 else grad
+
+    trainer.params[0].register_hook(inf_once)  # the loss stays finite; only this gradient overflows
+    stats = trainer.train_epoch()
+    assert stats["train/skipped_nonfinite"] == 1 and math.isfinite(stats["train/grad_norm"])
+    assert all(torch.isfinite(p).all() for p in trainer.params)
+    assert next(iter(trainer.optimizer.state.values()))["step"].item() == 1  # the second minibatch stepped
+
+
+@register_reward("test_overflowing_group")
+class OverflowingGroup(Reward):
+    """Group 0 scores near float32's maximum, so its mean overflows and its advantages are NaN."""
+
+    components = ("value",)
+
+    def __call__(self, samples, prompts, metadata):
+        huge = torch.tensor([3e38 - 1e37 * k for k in range(len(prompts))])
+        first = torch.tensor([spec["group_id"] == 0 for spec in metadata])
+        return {"value": torch.where(first, huge, samples.mean(dim=(1, 2, 3)))}
+
+
+def test_nonfinite_advantages_are_dropped_and_counted(tiny_sd3_dir, tmp_path):
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, "reward.name=test_overflowing_group",
+                                  "reward.weights={value: 1.0}"))
+    stats = trainer.train_epoch()
+    assert stats["adv/nonfinite"] == 4 and stats["reward/dropped_nan"] == 0  # group 0's four samples
+    assert stats["train/skipped_nonfinite"] == 0 and math.isfinite(stats["train/policy_loss"])
+    assert all(torch.isfinite(p).all() for p in trainer.params)
+
+
+def test_a_checkpoint_is_never_written_with_nan_weights(tiny_sd3_dir, tmp_path):
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path))
+    with torch.no_grad():
+        trainer.params[0][0] = float("nan")
+    with pytest.raises(CheckpointError, match="refusing to write checkpoint epoch-000000: the trained weights hold"):
+        trainer.save_checkpoint()
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
