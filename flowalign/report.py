@@ -53,7 +53,7 @@ def svg_line_chart(curves: dict[str, list[tuple[int, float]]], title: str, width
         x1 = x0 + 1
     if y1 == y0:
         y0, y1 = y0 - 0.5, y1 + 0.5
-    left, right, top, bottom = 52, 10, 24, 30 + 14 * ((len(curves) + 1) // 2)
+    left, right, top, bottom = 64, 10, 24, 30 + 14 * ((len(curves) + 1) // 2)
 
     def sx(x):
         return left + (x - x0) / (x1 - x0) * (width - left - right)
@@ -66,9 +66,12 @@ def svg_line_chart(curves: dict[str, list[tuple[int, float]]], title: str, width
              f'<text x="{width / 2}" y="15" text-anchor="middle" font-size="13">{html.escape(title)}</text>',
              f'<rect x="{left}" y="{top}" width="{width - left - right}" height="{height - top - bottom}" '
              'fill="none" stroke="#bbb"/>']
+    # enough significant digits that the tick labels differ (a ratio of 0.99999..1.00001)
+    digits = 3 + max(0, math.ceil(math.log10(max(abs(y0), abs(y1)) / (y1 - y0)))) if max(abs(y0), abs(y1)) else 3
     for k in range(5):
         yv = y0 + (y1 - y0) * k / 4
-        parts.append(f'<text x="{left - 4}" y="{sy(yv) + 4:.1f}" text-anchor="end" font-size="10">{yv:.3g}</text>')
+        parts.append(f'<text x="{left - 4}" y="{sy(yv) + 4:.1f}" text-anchor="end" font-size="10">'
+                     f'{yv:.{digits}g}</text>')
         xv = x0 + (x1 - x0) * k / 4
         parts.append(f'<text x="{sx(xv):.1f}" y="{height - bottom + 12}" text-anchor="middle" '
                      f'font-size="10">{xv:.0f}</text>')
