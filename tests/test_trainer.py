@@ -122,3 +122,26 @@ def test_scoring_in_a_thread_changes_nothing(tiny_sd3_dir, tmp_path):
         runs[flag] = trainer.history[0]
     keys = ["reward/mean", "reward/std", "train/policy_loss", "train/grad_norm"]
     assert [runs["true"][k] for k in keys] == [runs["false"][k] for k in keys]
+
+
+@register_reward("test_brightness")
+class _Brightness(Reward):
+    components = ("brightness",)
+
+    def __call__(self, samples, prompts, metadata):
+        return {"brightness": samples.mean((1, 2, 3))}
+
+
+def test_advantages_rank_each_groups_own_samples_by_their_reward(tiny_sd3_dir, tmp_path):
+    # guards the pairing of samples, rewards, groups and advantages (a shuffle would train on noise)
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, "reward.name=test_brightness",
+                                  "reward.weights={brightness: 1.0}", "train.sample_batch_size=4"))
+    batch = trainer.sample_epoch()
+    rescored = trainer.adapter.decode(batch.traj.samples).mean((1, 2, 3))
+    torch.testing.assert_close(batch.rewards, rescored, rtol=0, atol=1e-6)
+    advantages, _ = trainer.compute_advantages(batch)
+    for gid in batch.group_ids.unique():
+        members = batch.group_ids == gid
+        assert len({spec["prompt"] for spec, m in zip(batch.specs, members) if m}) == 1
+        assert torch.equal(advantages[members].argsort(), batch.rewards[members].argsort())
+        assert abs(advantages[members].mean().item()) < 1e-4
