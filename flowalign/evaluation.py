@@ -29,8 +29,6 @@ class Policy:
 
 
 def resolve_policies(specs: list[str]) -> list[Policy]:
-    from flowalign.trainer import checkpoint_folders
-
     """``base``, a weights folder, a checkpoint folder (its ``policy/``) or a run folder (every
     checkpoint in order, then ``final/``, which stands for the last checkpoint of a finished run).
     Labels are short and unique: ``base``, ``epoch-20``, ``final``."""
