@@ -124,7 +124,7 @@ def test_scoring_in_a_thread_changes_nothing(tiny_sd3_dir, tmp_path):
     assert [runs["true"][k] for k in keys] == [runs["false"][k] for k in keys]
 
 
-@register_reward("test_brightness")
+@register_reward("test_mean_brightness")
 class _Brightness(Reward):
     components = ("brightness",)
 
@@ -134,7 +134,7 @@ class _Brightness(Reward):
 
 def test_advantages_rank_each_groups_own_samples_by_their_reward(tiny_sd3_dir, tmp_path):
     # guards the pairing of samples, rewards, groups and advantages (a shuffle would train on noise)
-    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, "reward.name=test_brightness",
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, "reward.name=test_mean_brightness",
                                   "reward.weights={brightness: 1.0}", "train.sample_batch_size=4"))
     batch = trainer.sample_epoch()
     rescored = trainer.adapter.decode(batch.traj.samples).mean((1, 2, 3))
