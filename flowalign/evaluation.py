@@ -116,11 +116,11 @@ def evaluate(policies: list[Policy], records: list[dict], rewards: dict, out_dir
     done = set()
     if lines_path.exists():
         # Keep the complete lines only (a crash can cut the last one short), then append after them.
-        kept = [line for line in lines_path.read_text().splitlines() if _is_json(line)]
+        kept = _read_rows(lines_path)
         tmp = lines_path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
         os.replace(tmp, lines_path)
-        done = {(row["policy"], row["index"], row["seed"]) for row in map(json.loads, kept)}
+        done = {(row["policy"], row["index"], row["seed"]) for row in kept}
     todo = [(p, i, s) for p in policies for i in range(len(records)) for s in seeds
             if (p.label, i, s) not in done]
     bar = tqdm(total=len(todo), desc="eval", unit="sample")
@@ -145,19 +145,22 @@ def evaluate(policies: list[Policy], records: list[dict], rewards: dict, out_dir
                 sink.flush()
                 bar.update(len(chunk))
     bar.close()
-    summary = summarize([json.loads(line) for line in lines_path.read_text().splitlines() if _is_json(line)],
+    summary = summarize(_read_rows(lines_path),
                         [p.label for p in policies])
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     write_summary_csv(summary, out_dir / "summary.csv")
     return summary
 
 
-def _is_json(line: str) -> bool:
-    try:
-        json.loads(line)
-        return True
-    except json.JSONDecodeError:
-        return False
+def _read_rows(path: Path) -> list[dict]:
+    """The complete JSON lines of ``path`` (a crash can cut the last one short: it is skipped)."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
 
 
 def summarize(rows: list[dict], order: list[str]) -> dict:

@@ -113,12 +113,11 @@ class _Batcher:
             self._run(jobs)
 
     def _run(self, jobs: list[dict]) -> None:
+        if len({tuple(j["samples"].shape[1:]) for j in jobs}) > 1:  # sizes differ: one tensor cannot hold them
+            for job in jobs:
+                self._run([job])
+            return
         try:
-            shapes = {tuple(j["samples"].shape[1:]) for j in jobs}
-            if len(shapes) > 1:  # different sizes cannot share one tensor: score them apart
-                for job in jobs:
-                    self._run_one(job)
-                return
             result = self.reward(torch.cat([j["samples"] for j in jobs]),
                                  [p for j in jobs for p in j["prompts"]], [m for j in jobs for m in j["metadata"]])
             lo = 0
@@ -133,10 +132,6 @@ class _Batcher:
         finally:
             for job in jobs:
                 job["done"].set()
-
-    def _run_one(self, job: dict) -> None:
-        result = self.reward(job["samples"], job["prompts"], job["metadata"])
-        job["result"] = {k: torch.as_tensor(v, dtype=torch.float32).tolist() for k, v in result.items()}
 
 
 def make_server(reward: Reward, name: str, host: str = "127.0.0.1", port: int = 0, max_batch: int = 64,

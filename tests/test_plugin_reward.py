@@ -1,6 +1,7 @@
 """A reward from a separately installed package (tests/plugin_reward), found only through the
 ``flowalign.rewards`` entry point, drives a short training run."""
 
+import math
 from importlib.metadata import entry_points
 
 import pytest
@@ -23,4 +24,4 @@ def test_a_short_training_run_uses_the_plugin_reward(tiny_sd3_dir, tmp_path):
     trainer.train()
     for epoch in trainer.history:
         assert epoch["reward/redness"] == pytest.approx(epoch["reward/mean"])
-    assert trainer.evals["after"]["redness"] == trainer.evals["after"]["redness"]  # held-out scored too (not NaN)
+    assert math.isfinite(trainer.evals["after"]["redness"])  # held-out samples are scored too
