@@ -93,6 +93,11 @@ class TrainConfig:
     # another. Default (None): one shard per process. The same value on runs with different numbers
     # of processes (and the same global batch) makes them sample the same data (docs/distributed.md).
     rng_shards: Optional[int] = None
+    # DiffusionNFT (method: diffusion_nft; flowalign/objectives/diffusion_nft.py)
+    nft_beta: float = 1.0  # β: how far the implicit positive / negative policies sit from the old one
+    nft_timesteps: int = 4  # noising draws (distinct schedule σ's) per sample per minibatch
+    nft_old_decay_rate: float = 0.001  # the old policy's EMA decay after epoch e: min(max, rate·e)
+    nft_old_decay_max: float = 0.5
 
 
 @dataclass
@@ -127,7 +132,7 @@ CHOICES = {
     "sampling.log_prob_reduction": ("mean", "sum"),
     "train.mixed_precision": ("no", "fp16", "bf16"),
     "tracker": ("tensorboard", "wandb", "none"),
-    "method": ("flow_grpo",),
+    "method": ("flow_grpo", "diffusion_nft"),
 }
 
 
@@ -252,7 +257,12 @@ def check_values(config: RunConfig, where: str = "config") -> None:
         ("train.ema_decay", 0 <= t.ema_decay < 1, "must be in [0, 1)"),
         ("train.rng_shards", t.rng_shards is None or t.rng_shards >= 1, "must be ≥ 1 (or null: one per process)"),
         ("sampling.num_steps", s.num_steps >= 2, "must be ≥ 2 (the last step is never trained)"),
-        ("sampling.eta", s.eta > 0, "must be > 0 to train (η = 0 is ODE sampling)"),
+        ("sampling.eta", s.eta > 0 or config.method == "diffusion_nft",
+         "must be > 0 to train with log-probabilities (η = 0 is ODE sampling; diffusion_nft allows it)"),
+        ("sampling.eta", s.eta >= 0, "must be ≥ 0"),
+        ("train.nft_beta", t.nft_beta > 0, "must be > 0"),
+        ("train.nft_timesteps", 1 <= t.nft_timesteps <= s.num_steps, "must be between 1 and sampling.num_steps"),
+        ("train.nft_old_decay_max", 0 <= t.nft_old_decay_max < 1, "must be in [0, 1)"),
         ("model.lora_rank", config.model.lora_rank >= 0, "must be ≥ 0 (0 = full fine-tuning)"),
     ]
     for key, ok, message in rules:

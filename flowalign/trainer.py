@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 from flowalign.advantages import PerPromptStatTracker, combine_rewards, group_advantages
 from flowalign.config import ConfigError, RunConfig, check_values, to_dict
 from flowalign.grids import save_grid, side_by_side, to_pil_grid
+from flowalign.objectives.diffusion_nft import diffusion_nft_loss, old_policy_decay, optimality_probability
 from flowalign.objectives.flow_grpo import flow_grpo_loss
 from flowalign.prompts import load_prompts
 from flowalign.rollout import Trajectory, group_noise, rollout, sde_transition
@@ -146,11 +147,13 @@ class Trainer:
         self.config = config
         t, s = config.train, config.sampling
         self.out = Path(config.output_dir)
-        # backward passes per optimizer step: one per trained step of the rollout (Accelerate's
-        # gradient accumulation, so DDP syncs and DeepSpeed steps once, on the last of them)
-        accumulation = int((plan_steps(s.num_steps, 1, s.eta, s.step_mode, fraction=s.fraction,
-                                       window_size=s.window_size, window_start=s.window_start,
-                                       generator=torch.Generator()).noise_levels > 0).sum())
+        self.nft = config.method == "diffusion_nft"
+        # backward passes per optimizer step: one per trained step of the rollout, or per noising
+        # draw for DiffusionNFT (Accelerate's gradient accumulation, so DDP syncs and DeepSpeed
+        # steps once, on the last of them)
+        accumulation = t.nft_timesteps if self.nft else int((plan_steps(
+            s.num_steps, 1, s.eta, s.step_mode, fraction=s.fraction, window_size=s.window_size,
+            window_start=s.window_start, generator=torch.Generator()).noise_levels > 0).sum())
         self.accelerator = Accelerator(
             mixed_precision=t.mixed_precision, project_dir=str(self.out), gradient_accumulation_steps=accumulation,
             log_with=None if config.tracker == "none" else config.tracker)
@@ -191,6 +194,8 @@ class Trainer:
                                       weight_decay=t.weight_decay)
         self.model, self.optimizer = acc.prepare(self.adapter.trainable(), optimizer)
         self.ema = EMA(self.params, t.ema_decay) if t.ema_decay > 0 else None
+        # DiffusionNFT's old policy: samples the rollouts and anchors v⁺ / v⁻; its decay ramps per epoch
+        self.old = EMA(self.params, 0.0) if self.nft else None
         # per shard, like the streams: a prompt's reward history is kept where its samples are drawn
         self.trackers = [PerPromptStatTracker(clip=t.advantage_clip) for _ in self.shards] if t.per_prompt_stats \
             else None
@@ -294,14 +299,23 @@ class Trainer:
         warmup = self.config.train.warmup_epochs
         for group in self.optimizer.param_groups:  # linear warm-up, a pure function of the epoch
             group["lr"] = self.config.train.learning_rate * min(1.0, (self.epoch + 1) / (warmup + 1))
-        with self._full_params():
+        with self._full_params(), self._old_policy():
             batch = self.sample_epoch()
         advantages, stats = self.compute_advantages(batch)
         stats.update(self.update_policy(batch, advantages))
+        if self.old is not None:
+            t = self.config.train
+            self.old.decay = old_policy_decay(self.epoch, t.nft_old_decay_rate, t.nft_old_decay_max)
+            self.old.update()
+            stats["train/old_decay"] = self.old.decay
         stats["time/epoch_s"] = time.time() - t0
         stats["time/samples_per_s"] = len(batch.specs) * self.accelerator.num_processes / stats["time/epoch_s"]
         stats["lr"] = self.optimizer.param_groups[0]["lr"]
         return stats
+
+    def _old_policy(self):
+        """DiffusionNFT samples with its old policy; the other methods with the current weights."""
+        return self.old.swapped_in() if self.old is not None else contextlib.nullcontext()
 
     def sample_epoch(self) -> EpochBatch:
         """Draw this process's prompt groups shard by shard, each from its own streams; roll them
@@ -398,7 +412,9 @@ class Trainer:
         traj, device = batch.traj, acc.device
         valid = torch.isfinite(advantages).to(device)
         advantages = torch.nan_to_num(advantages, nan=0.0).to(device)
-        steps = [j for j in range(len(traj.noise_levels)) if traj.noise_levels[j] > 0]
+        # loss terms per minibatch: trained SDE steps, or DiffusionNFT's noising draws
+        steps = list(range(t.nft_timesteps)) if self.nft else \
+            [j for j in range(len(traj.noise_levels)) if traj.noise_levels[j] > 0]
         if len(steps) != acc.gradient_accumulation_steps:  # the accumulation must close on each minibatch's last step
             raise RuntimeError(f"{len(steps)} trained steps, Accelerate accumulates {acc.gradient_accumulation_steps}")
         if not self._across_processes([float(valid.any())]).any():  # every sample dropped: nothing to learn
@@ -407,12 +423,17 @@ class Trainer:
         count, skipped = 0, 0
         self.model.train()
         for _ in range(t.inner_epochs):
+            draws = self._nft_draws(traj) if self.nft else None
             for idx in self._minibatches(len(batch.specs)):
                 sub, adv = traj[idx], advantages[idx]
                 step_totals, finite = {}, True
                 for j in steps:
                     with acc.accumulate(self.model), acc.autocast():
-                        loss, step_stats = self._step_loss(sub, j, adv, sub.trained[:, j] & valid[idx])
+                        if self.nft:
+                            loss, step_stats = self._nft_loss(sub, draws[0][idx, j], draws[1][idx, j], adv,
+                                                              valid[idx])
+                        else:
+                            loss, step_stats = self._step_loss(sub, j, adv, sub.trained[:, j] & valid[idx])
                         acc.backward(loss)  # Accelerate divides by the number of steps accumulated
                     finite &= bool(torch.isfinite(loss.detach()))
                     for key, value in step_stats.items():
@@ -471,6 +492,38 @@ class Trainer:
         return flow_grpo_loss(out.log_prob, sub.log_probs[:, j], adv, clip_range=t.clip_range, beta=t.kl_beta,
                               mean=out.mean, ref_mean=ref_mean, std=out.std, weight=weight,
                               reduction=s.log_prob_reduction)
+
+    def _nft_draws(self, traj: Trajectory) -> tuple[torch.Tensor, torch.Tensor]:
+        """DiffusionNFT's noising draws for one inner epoch, from each shard's noise stream: schedule
+        indices long [B, K] (K distinct steps per sample) and noise [B, K, ...]."""
+        k, n_steps = self.config.train.nft_timesteps, len(traj.timesteps)
+        per_shard = len(traj.latents) // len(self.streams)
+        indices, noise = [], []
+        for streams in self.streams:
+            g = streams["noise"]
+            indices.append(torch.rand(per_shard, n_steps, generator=g).argsort(dim=1)[:, :k])
+            noise.append(torch.randn(per_shard, k, *traj.samples.shape[1:], generator=g))
+        device = self.accelerator.device
+        return torch.cat(indices).to(device), torch.cat(noise).to(device)
+
+    def _nft_loss(self, sub: Trajectory, step: torch.Tensor, eps: torch.Tensor, adv: torch.Tensor,
+                  weight: torch.Tensor):
+        """DiffusionNFT on one noising draw per sample: step long [b] (schedule index), eps [b, ...]."""
+        t = self.config.train
+        device = sub.samples.device
+        sigma, timestep = sub.sigmas.to(device)[step], sub.timesteps.to(device)[step]
+        x0 = sub.samples
+        x_t = (1 - sigma.view(-1, *([1] * (x0.ndim - 1)))) * x0 + sigma.view(-1, *([1] * (x0.ndim - 1))) * eps
+        with torch.no_grad():  # before v_θ's forward: swapping the old weights in later would break its graph
+            with self.old.swapped_in():
+                v_old = self.adapter.predict(x_t, timestep, sub.cond, 1.0)
+            v_ref = None
+            if t.kl_beta > 0:
+                with self.adapter.reference():
+                    v_ref = self.adapter.predict(x_t, timestep, sub.cond, 1.0)
+        v_theta = self.adapter.predict(x_t, timestep, sub.cond, 1.0, model=self.model)
+        return diffusion_nft_loss(v_theta, v_old, x_t, x0, sigma, optimality_probability(adv, t.advantage_clip),
+                                  beta=t.nft_beta, v_ref=v_ref, kl_beta=t.kl_beta, weight=weight)
 
     # -- evaluation ----------------------------------------------------------------------
     @torch.no_grad()
@@ -537,7 +590,8 @@ class Trainer:
         Written to ``epoch-NNNNNN.tmp/``, renamed when complete. Refuses non-finite weights; a full
         disk raises DiskFullError and leaves the previous checkpoints as they were."""
         acc = self.accelerator
-        bad = any(not torch.isfinite(p).all() for p in self.params + (self.ema.shadow if self.ema else []))
+        bad = any(not torch.isfinite(p).all() for p in self.params + (self.ema.shadow if self.ema else [])
+                  + (self.old.shadow if self.old else []))
         if self._across_processes([bad]).any():
             raise CheckpointError(f"refusing to write checkpoint epoch-{self.epoch:06d}: the trained weights hold "
                                   "NaN/Inf (the non-finite guards should have skipped that step; please report it)")
@@ -590,6 +644,8 @@ class Trainer:
             _torch_save(self.optimizer.state_dict(), folder / "optimizer.pt")
         if self.ema is not None:
             save_file(self.ema.state_dict(), folder / "ema.safetensors")
+        if self.old is not None:
+            save_file(self.old.state_dict(), folder / "old.safetensors")
         with self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext():
             self.adapter.save_trained(folder / "policy")  # what grid/eval load, like final/
         state = {"epoch": self.epoch, "history": self.history, "evals": self.evals,
@@ -686,7 +742,8 @@ class Trainer:
             trackers = [_read_json(path / f"tracker-shard{s}.json") if (path / f"tracker-shard{s}.json").is_file()
                         else state.get("stat_tracker") or {} for s in self.shards]
         return {"state": state, "trained": trained, "optimizer": optimizer, "rng": rng, "trackers": trackers,
-                "ema": _read_safetensors(path / "ema.safetensors") if self.ema is not None else None}
+                "ema": _read_safetensors(path / "ema.safetensors") if self.ema is not None else None,
+                "old": _read_safetensors(path / "old.safetensors") if self.old is not None else None}
 
     def _apply_checkpoint(self, loaded: dict) -> None:
         with self._full_params(writeback=True):
@@ -694,6 +751,8 @@ class Trainer:
         self.optimizer.load_state_dict(loaded["optimizer"])
         if self.ema is not None:
             self.ema.load_state_dict(loaded["ema"])
+        if self.old is not None:
+            self.old.load_state_dict(loaded["old"])
         for streams, states in zip(self.streams, loaded["rng"]):
             for name, g in streams.items():
                 g.set_state(states[name])

@@ -1,0 +1,86 @@
+"""DiffusionNFT: online RL on the forward (noising) process, CFG-free, with any sampler.
+
+Rollouts keep only their final samples x0 (any solver: the log-probabilities of the sampler are
+never used). Per sample (``../shared/METHODS.md`` §3):
+
+    r      = clip(A / A_max, −1, 1) / 2 + 1/2 ∈ [0, 1]        (the "optimality probability")
+    x_t    = (1 − t)·x0 + t·ε                                   (fresh t and ε)
+    v⁺     = β·v_θ + (1 − β)·v_old,    v⁻ = (1 + β)·v_old − β·v_θ
+    x̂0(v)  = x_t − t·v
+    L      = [r·‖x̂0(v⁺) − x0‖² / w⁺ + (1 − r)·‖x̂0(v⁻) − x0‖² / w⁻] / β  +  λ·‖v_θ − v_ref‖²
+    w±     = mean|x̂0(v±) − x0|, detached (adaptive weight)
+
+v_old is a slowly moving copy of the trained weights (the "old" policy, which also samples the
+rollouts); its gradient is stopped. Minimising the positive term pulls the implicit positive
+policy toward good samples, the negative term pushes the implicit negative policy toward bad ones,
+and since v⁻ moves opposite to v_θ this drives v_θ away from them. With r ≡ 1 and β = 1 the loss
+is flow-matching regression of v_θ onto the samples (weighted by t² / w⁺).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def optimality_probability(advantages: torch.Tensor, advantage_max: float) -> torch.Tensor:
+    """r = clip(A / A_max, −1, 1) / 2 + 1/2. advantages: [B] → [B] in [0, 1]."""
+    return (advantages / advantage_max).clamp(-1.0, 1.0) / 2 + 0.5
+
+
+def _weighted_error(x0_hat: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+    """‖x̂0 − x0‖² (mean over elements) / detached mean|x̂0 − x0|. [B, ...] → [B]."""
+    err = (x0_hat.float() - x0.float()).flatten(1)
+    weight = err.detach().abs().mean(1).clamp(min=1e-5)
+    return (err**2).mean(1) / weight
+
+
+def diffusion_nft_loss(
+    v_theta: torch.Tensor,
+    v_old: torch.Tensor,
+    x_t: torch.Tensor,
+    x0: torch.Tensor,
+    t: torch.Tensor,
+    r: torch.Tensor,
+    *,
+    beta: float,
+    v_ref: torch.Tensor | None = None,
+    kl_beta: float = 0.0,
+    weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The DiffusionNFT loss of one noising draw for a minibatch.
+
+    v_theta (with grad), v_old, v_ref, x_t, x0: [B, ...]; t: [B] noise level σ ∈ (0, 1];
+    r: [B] optimality probability; weight: [B] in {0, 1} (samples that train; all when None).
+    ``v_ref`` (the reference policy's velocity) is needed when ``kl_beta`` > 0. The loss is the
+    weighted mean over samples. Returns (loss scalar, stats: policy_loss, positive, negative, kl, r).
+    """
+    if beta <= 0:
+        raise ValueError(f"DiffusionNFT needs beta > 0, got {beta}")
+    weight = torch.ones_like(r) if weight is None else weight.float()
+    denom = weight.sum().clamp(min=1.0)
+    v_old = v_old.detach().float()
+    v_theta32 = v_theta.float()
+    t = t.float().reshape(-1, *([1] * (x_t.ndim - 1)))
+    x_t, x0 = x_t.float(), x0.float()
+    positive = _weighted_error(x_t - t * (beta * v_theta32 + (1 - beta) * v_old), x0)
+    negative = _weighted_error(x_t - t * ((1 + beta) * v_old - beta * v_theta32), x0)
+    per_sample = (r * positive + (1 - r) * negative) / beta
+    policy_loss = (per_sample * weight).sum() / denom
+    loss = policy_loss
+    kl = torch.zeros((), device=v_theta.device)
+    if kl_beta > 0:
+        if v_ref is None:
+            raise ValueError("kl_beta > 0 needs v_ref")
+        kl = (((v_theta32 - v_ref.detach().float()) ** 2).flatten(1).mean(1) * weight).sum() / denom
+        loss = loss + kl_beta * kl
+    with torch.no_grad():
+        stats = {"policy_loss": policy_loss.detach(), "kl": kl.detach(),
+                 "nft_positive": (positive * weight).sum() / denom,
+                 "nft_negative": (negative * weight).sum() / denom, "nft_r": (r * weight).sum() / denom}
+    return loss, stats
+
+
+def old_policy_decay(epoch: int, rate: float, maximum: float) -> float:
+    """Ramped EMA decay of the old policy after ``epoch`` (0-based): min(maximum, rate·epoch).
+    Decay 0 makes the old policy the current one (on-policy); the ramp slows it down later."""
+    return min(maximum, rate * epoch)

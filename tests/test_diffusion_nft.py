@@ -1,0 +1,102 @@
+"""DiffusionNFT: closed forms, the r ≡ 1 reduction to flow matching, gradient signs, the trainer path."""
+
+import pytest
+import torch
+
+from flowalign.objectives.diffusion_nft import diffusion_nft_loss, old_policy_decay, optimality_probability
+from flowalign.trainer import Trainer
+from test_trainer import tiny_config
+
+
+def _problem(b=3, shape=(2, 4, 4), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(b, *shape, generator=g)
+    eps = torch.randn(b, *shape, generator=g)
+    t = torch.rand(b, generator=g) * 0.8 + 0.1
+    x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
+    v_old = torch.randn(b, *shape, generator=g)
+    return x0, eps, t, x_t, v_old
+
+
+def test_optimality_probability_maps_clipped_advantages_to_unit_interval():
+    r = optimality_probability(torch.tensor([-10.0, -5.0, -2.5, 0.0, 2.5, 5.0, 10.0]), 5.0)
+    assert r.tolist() == [0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+
+
+def test_r_one_beta_one_is_weighted_flow_matching_toward_the_samples():
+    x0, eps, t, x_t, v_old = _problem()
+    v = torch.randn_like(x0, requires_grad=True)
+    loss, _ = diffusion_nft_loss(v, v_old, x_t, x0, t, torch.ones(3), beta=1.0)
+    # closed form: x̂0 − x0 = −t·(v − (ε − x0)); per sample mean(err²) / mean|err|
+    err = (-t.view(-1, 1, 1, 1) * (v - (eps - x0))).flatten(1)
+    expected = ((err**2).mean(1) / err.detach().abs().mean(1)).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    (g,) = torch.autograd.grad(loss, v)
+    (g_fm,) = torch.autograd.grad(expected, v)
+    torch.testing.assert_close(g, g_fm)
+    # v_old plays no part at β = 1 with r ≡ 1
+    loss2, _ = diffusion_nft_loss(v, torch.zeros_like(v_old), x_t, x0, t, torch.ones(3), beta=1.0)
+    assert loss2.item() == pytest.approx(loss.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("beta", [0.1, 1.0])
+def test_at_the_old_policy_the_gradient_is_2r_minus_1_times_the_flow_matching_gradient(beta):
+    x0, eps, t, x_t, v_old = _problem()
+    r = torch.tensor([1.0, 0.5, 0.0])
+    v = v_old.clone().requires_grad_(True)
+    loss, _ = diffusion_nft_loss(v, v_old, x_t, x0, t, r, beta=beta)
+    (g,) = torch.autograd.grad(loss, v)
+    fm = diffusion_nft_loss(v, v_old, x_t, x0, t, torch.ones(3), beta=1.0)[0] * 3  # per-sample sum
+    (g_fm,) = torch.autograd.grad(fm, v)
+    # positive samples are pulled like flow matching, r = ½ gives nothing, negative ones are pushed away
+    torch.testing.assert_close(g, (2 * r - 1).view(-1, 1, 1, 1) * g_fm / 3)
+    assert g[1].abs().max() < 1e-5 * g[0].abs().max()
+
+
+def test_a_gradient_step_moves_toward_good_samples_and_away_from_bad_ones():
+    x0, eps, t, x_t, v_old = _problem(b=2)
+    v = v_old.clone().requires_grad_(True)
+    loss, _ = diffusion_nft_loss(v, v_old, x_t, x0, t, torch.tensor([1.0, 0.0]), beta=1.0)
+    loss.backward()
+    v_new = v.detach() - 0.05 * v.grad
+    before = ((x_t - t.view(-1, 1, 1, 1) * v_old - x0) ** 2).flatten(1).mean(1)
+    after = ((x_t - t.view(-1, 1, 1, 1) * v_new - x0) ** 2).flatten(1).mean(1)
+    assert after[0] < before[0]  # the good sample is reconstructed better
+    assert after[1] > before[1]  # the bad one worse
+
+
+def test_kl_term_is_zero_at_the_reference_and_weights_drop_samples():
+    x0, eps, t, x_t, v_old = _problem()
+    v = torch.randn_like(x0)
+    r = torch.tensor([0.9, 0.1, 0.4])
+    _, stats = diffusion_nft_loss(v, v_old, x_t, x0, t, r, beta=0.5, v_ref=v, kl_beta=1.0)
+    assert stats["kl"] == 0
+    full, _ = diffusion_nft_loss(v, v_old, x_t, x0, t, r, beta=0.5, weight=torch.tensor([1.0, 0.0, 1.0]))
+    kept, _ = diffusion_nft_loss(v[[0, 2]], v_old[[0, 2]], x_t[[0, 2]], x0[[0, 2]], t[[0, 2]], r[[0, 2]], beta=0.5)
+    assert full.item() == pytest.approx(kept.item(), rel=1e-6)
+    with pytest.raises(ValueError, match="beta"):
+        diffusion_nft_loss(v, v_old, x_t, x0, t, r, beta=0.0)
+
+
+def test_old_policy_decay_ramps_then_holds():
+    assert [old_policy_decay(e, 0.1, 0.25) for e in (0, 1, 2, 3, 10)] == [0.0, 0.1, 0.2, 0.25, 0.25]
+
+
+NFT = ("method=diffusion_nft", "sampling.eta=0.0", "train.nft_timesteps=2", "train.nft_old_decay_rate=0.2")
+
+
+def test_nft_trains_samples_with_the_old_policy_and_resumes_exactly(tiny_sd3_dir, tmp_path):
+    full = Trainer(tiny_config(tiny_sd3_dir, tmp_path / "full", *NFT, "train.epochs=3", "train.train_batch_size=4"))
+    full.train()
+    assert [h["train/old_decay"] for h in full.history] == pytest.approx([0.0, 0.2, 0.4])
+    assert all(h["train/grad_norm"] > 0 for h in full.history)
+    # the old policy trails the trained weights once its decay is above 0
+    assert any((s - p).abs().max() > 0 for s, p in zip(full.old.shadow, full.params))
+    cut = Trainer(tiny_config(tiny_sd3_dir, tmp_path / "cut", *NFT, "train.epochs=1", "train.train_batch_size=4"))
+    cut.train()
+    resumed = Trainer(tiny_config(tiny_sd3_dir, tmp_path / "cut", *NFT, "train.epochs=3", "train.train_batch_size=4",
+                                  "resume=auto"))
+    resumed.train()
+    keys = ["train/policy_loss", "reward/mean", "train/grad_norm", "train/nft_r"]
+    assert [[h[k] for k in keys] for h in resumed.history] == [[h[k] for k in keys] for h in full.history]
+    assert all(torch.equal(a, b) for a, b in zip(resumed.old.shadow, full.old.shadow))
