@@ -127,17 +127,26 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--init", default=None,
+                        help="continue stage 2 from this saved model (its VAE and latent scale are kept)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
     start = time.time()
 
-    pipe = build_tiny_sd3_pipeline(vocabulary(), DEMO_SIZES, seed=args.seed)
-    train_vae(pipe.vae, args.vae_steps, args.vae_batch, rng)
-    pipe.vae.eval().requires_grad_(False)
-    print(f"verifier accuracy on VAE reconstructions: {reconstruction_accuracy(pipe.vae, rng):.3f}")
-    means, captions = encode_dataset(pipe.vae, args.dataset, rng)
-    pipe.vae.register_to_config(shift_factor=means.mean().item(), scaling_factor=1.0 / means.std().item())
+    if args.init:
+        from diffusers import StableDiffusion3Pipeline
+
+        pipe = StableDiffusion3Pipeline.from_pretrained(args.init, text_encoder_3=None, tokenizer_3=None)
+        pipe.vae.eval().requires_grad_(False)
+        means, captions = encode_dataset(pipe.vae, args.dataset, rng)
+    else:
+        pipe = build_tiny_sd3_pipeline(vocabulary(), DEMO_SIZES, seed=args.seed)
+        train_vae(pipe.vae, args.vae_steps, args.vae_batch, rng)
+        pipe.vae.eval().requires_grad_(False)
+        print(f"verifier accuracy on VAE reconstructions: {reconstruction_accuracy(pipe.vae, rng):.3f}")
+        means, captions = encode_dataset(pipe.vae, args.dataset, rng)
+        pipe.vae.register_to_config(shift_factor=means.mean().item(), scaling_factor=1.0 / means.std().item())
     train_flow(pipe, means, captions, args.flow_steps, args.flow_batch, rng, args.lr)
 
     out = Path(args.out)

@@ -1,4 +1,5 @@
-"""Flow-GRPO's SDE step for rectified-flow models, with exact per-step log-probabilities.
+"""Stochastic steps for rectified-flow models with exact per-step log-probabilities: Flow-GRPO's
+SDE, CPS and DanceGRPO's SDE (``FLOW_SDE_STEPS``; all share one signature).
 
 Notation (``../shared/METHODS.md`` §1): x_σ = (1 − σ)·x0 + σ·ε, the model predicts v ≈ ε − x0,
 one step goes from σ to σ' < σ with dt = σ' − σ. The ODE (Euler) step is x' = x + v·dt. The SDE
@@ -8,7 +9,8 @@ step samples x' ~ N(μ, std²) with
     μ   = x + v·dt + σ_t² / (2σ) · (x + (1 − σ)·v)·dt  (Euler step + score term: keeps the marginals)
     std = σ_t·sqrt(−dt)
 
-All arithmetic is float32 whatever the model's dtype. The log-density is reduced over every
+CPS (coefficient-preserving) and DanceGRPO are documented at their functions. All arithmetic is
+float32 whatever the model's dtype. The log-density is reduced over every
 non-batch element by ``"mean"`` (what Flow-GRPO and DanceGRPO do; clip ranges are then ~1e-4)
 or ``"sum"`` (the true log-density of the whole latent).
 """
@@ -86,8 +88,7 @@ def flow_grpo_sde_step(
     x'. ``sigma_fallback`` replaces σ in the denominator 1 − σ where σ = 1 (Flow-GRPO uses the
     schedule's σ_1). Requires σ' > 0 and η > 0: the last step is an ``ode_step``.
     """
-    if (noise is None) == (prev_sample is None):
-        raise ValueError("give exactly one of noise (to sample) or prev_sample (to score)")
+    _check_one_of(noise, prev_sample)
     x32, v32 = x.float(), v.float()
     s, s_next = _per_sample(sigma, x32), _per_sample(sigma_next, x32)
     eta = torch.as_tensor(eta, dtype=torch.float32, device=x.device)
@@ -102,3 +103,77 @@ def flow_grpo_sde_step(
     if prev_sample is None:
         prev_sample = mean + std * noise.float()
     return StepOutput(prev_sample.float(), mean, std, gaussian_log_prob(prev_sample, mean, std, reduction))
+
+
+def _check_one_of(noise, prev_sample) -> None:
+    if (noise is None) == (prev_sample is None):
+        raise ValueError("give exactly one of noise (to sample) or prev_sample (to score)")
+
+
+def cps_step(
+    v: torch.Tensor,
+    x: torch.Tensor,
+    sigma,
+    sigma_next,
+    eta,
+    *,
+    noise: torch.Tensor | None = None,
+    prev_sample: torch.Tensor | None = None,
+    sigma_fallback: float | None = None,
+    reduction: str = "mean",
+) -> StepOutput:
+    """Coefficient-preserving sampling: x' = (1 − σ')·x̂0 + sqrt(σ'² − σ_t²)·ε̂ + σ_t·z with
+    σ_t = σ'·sin(η·π/2), x̂0 = x − σ·v and ε̂ = x + (1 − σ)·v. The noise and the predicted ε̂
+    together keep the coefficient σ' of the noise exact, so no score correction is needed.
+
+    Same arguments as ``flow_grpo_sde_step`` (``sigma_fallback`` is unused: σ = 1 is fine here).
+    The log-prob is the exact Gaussian one with std σ_t; the reference implementation keeps only
+    −mean((x' − μ)²), which differs by the factor 1 / (2σ_t²) and a constant (so its clip ranges
+    are not ours). Requires σ' > 0 and η > 0: the last step is an ``ode_step``.
+    """
+    _check_one_of(noise, prev_sample)
+    x32, v32 = x.float(), v.float()
+    s, s_next = _per_sample(sigma, x32), _per_sample(sigma_next, x32)
+    eta = torch.as_tensor(eta, dtype=torch.float32, device=x.device)
+    eta = eta if eta.shape == x.shape else _per_sample(eta, x32)
+    std = s_next * torch.sin(eta * math.pi / 2)
+    x0_hat, eps_hat = x32 - s * v32, x32 + (1 - s) * v32
+    mean = (1 - s_next) * x0_hat + torch.sqrt((s_next**2 - std**2).clamp(min=0)) * eps_hat
+    if prev_sample is None:
+        prev_sample = mean + std * noise.float()
+    return StepOutput(prev_sample.float(), mean, std, gaussian_log_prob(prev_sample, mean, std, reduction))
+
+
+def dance_grpo_sde_step(
+    v: torch.Tensor,
+    x: torch.Tensor,
+    sigma,
+    sigma_next,
+    eta,
+    *,
+    noise: torch.Tensor | None = None,
+    prev_sample: torch.Tensor | None = None,
+    sigma_fallback: float | None = None,
+    reduction: str = "mean",
+) -> StepOutput:
+    """DanceGRPO's SDE: a constant diffusion coefficient η, std = η·sqrt(σ − σ'), and
+    μ = x + v·dt − ½·η²·score·dt with score = −(x − (1 − σ)·x̂0) / σ² = −ε̂ / σ (η ≈ 0.3).
+
+    Same arguments as ``flow_grpo_sde_step``; it equals that step with σ_t ≡ η, i.e. the same
+    drift correction under a flat noise schedule (``sigma_fallback`` is unused).
+    """
+    _check_one_of(noise, prev_sample)
+    x32, v32 = x.float(), v.float()
+    s, s_next = _per_sample(sigma, x32), _per_sample(sigma_next, x32)
+    eta = torch.as_tensor(eta, dtype=torch.float32, device=x.device)
+    eta = eta if eta.shape == x.shape else _per_sample(eta, x32)
+    dt = s_next - s
+    score = -(x32 - (1 - s) * (x32 - s * v32)) / s**2
+    mean = x32 + v32 * dt - 0.5 * eta**2 * score * dt
+    std = eta * torch.sqrt(-dt)
+    if prev_sample is None:
+        prev_sample = mean + std * noise.float()
+    return StepOutput(prev_sample.float(), mean, std, gaussian_log_prob(prev_sample, mean, std, reduction))
+
+
+FLOW_SDE_STEPS = {"flow_grpo": flow_grpo_sde_step, "cps": cps_step, "dance_grpo": dance_grpo_sde_step}

@@ -1,0 +1,72 @@
+"""GDRO: group-level direct reward optimization, fully offline (``../shared/METHODS.md`` §3).
+
+A reference model generates each prompt's group of k samples once and each is scored; training
+then never samples. Per sample, the implicit reward compares the policy's and the reference's
+flow-matching errors on the same noised copy x_t = (1 − t)·x0 + t·ε:
+
+    s_θ(x) = −β·(‖v − v_θ(x_t)‖² − ‖v − v_ref(x_t)‖²),   v = ε − x0   (mean over elements, over draws)
+
+The target is q = softmax(r / τ) over the group; the loss is the Plackett–Luce cross-entropy over
+the group sorted by reward (best first), each stage's target renormalised over the items left:
+
+    L = Σ_{i=1}^{k−1} [ log Σ_{m≥i} exp s_m − Σ_{j≥i} q_i(j)·s_j ],   q_i(j) = q_j / Σ_{m≥i} q_m
+
+plus γ·(flow-matching loss of the top-1 sample), without which the model drifts (γ = 0 collapses).
+At k = 2 and τ → 0 this is the Diffusion-DPO loss −log σ(s_w − s_l).
+
+Decision (the paper leaves it open): t and ε are shared by the k samples of a group, so the
+implicit rewards of a group differ by the samples, not by the noise draw (lower variance).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def implicit_rewards(mse_theta: torch.Tensor, mse_ref: torch.Tensor, beta: float) -> torch.Tensor:
+    """s = −β·(mse_θ − mse_ref). mse_theta, mse_ref: [G, k] flow-matching errors → [G, k]."""
+    return -beta * (mse_theta - mse_ref.detach())
+
+
+def plackett_luce_loss(scores: torch.Tensor, rewards: torch.Tensor, tau: float) -> torch.Tensor:
+    """Plackett–Luce cross-entropy of ``scores`` toward softmax(rewards / τ), per group.
+
+    scores, rewards: [G, k]. The group is ordered by reward (best first); stage i compares the
+    remaining items m ≥ i. Returns [G].
+    """
+    order = rewards.argsort(dim=1, descending=True)
+    s = scores.gather(1, order)
+    q = torch.softmax(rewards.gather(1, order).float() / tau, dim=1)
+    k = s.shape[1]
+    loss = torch.zeros(s.shape[0], device=s.device, dtype=s.dtype)
+    for i in range(k - 1):
+        rest_s, rest_q = s[:, i:], q[:, i:]
+        q_i = rest_q / rest_q.sum(1, keepdim=True).clamp(min=1e-30)
+        loss = loss + torch.logsumexp(rest_s, dim=1) - (q_i * rest_s).sum(1)
+    return loss
+
+
+def gdro_loss(
+    mse_theta: torch.Tensor,
+    mse_ref: torch.Tensor,
+    rewards: torch.Tensor,
+    *,
+    beta: float,
+    tau: float,
+    gamma: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The GDRO loss of a batch of groups.
+
+    mse_theta (with grad), mse_ref: [G, k] flow-matching errors of each sample under the policy
+    and the reference (same t, ε); rewards: [G, k]. Returns (loss scalar = mean over groups of
+    PL loss + γ·mse_θ of the group's best sample, stats).
+    """
+    scores = implicit_rewards(mse_theta, mse_ref, beta)
+    pl = plackett_luce_loss(scores, rewards, tau)
+    top = mse_theta.gather(1, rewards.argmax(dim=1, keepdim=True)).squeeze(1)
+    loss = (pl + gamma * top).mean()
+    with torch.no_grad():
+        stats = {"policy_loss": pl.mean(), "gdro_top_fm": top.mean(),
+                 "gdro_score_gap": (scores.gather(1, rewards.argmax(1, keepdim=True))
+                                    - scores.gather(1, rewards.argmin(1, keepdim=True))).mean()}
+    return loss, stats
