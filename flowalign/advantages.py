@@ -63,6 +63,20 @@ def group_advantages(
     return adv, {"zero_spread_groups": zero_spread / max(n_groups, 1), "groups": float(n_groups)}
 
 
+def extremes_mask(rewards: torch.Tensor, group_ids: torch.Tensor, keep: int) -> torch.Tensor:
+    """DanceGRPO's best-of-N: True for the ``keep`` highest and ``keep`` lowest rewards of each
+    group (ties broken by position). rewards: [B] (NaN = dropped, never kept); group_ids: [B].
+    Returns bool [B]; a group with at most 2·keep valid samples keeps them all."""
+    mask = torch.zeros_like(rewards, dtype=torch.bool)
+    valid = torch.isfinite(rewards)
+    for gid in torch.unique(group_ids):
+        members = torch.nonzero(valid & (group_ids == gid)).flatten()
+        order = members[rewards[members].argsort(stable=True)]
+        mask[order[:keep]] = True
+        mask[order[-keep:] if keep > 0 else order[:0]] = True
+    return mask
+
+
 class PerPromptStatTracker:
     """DDPO's per-prompt reward buffer: normalise each reward by its prompt's recent history.
 

@@ -41,6 +41,9 @@ class ModelConfig:
 class SamplingConfig:
     num_steps: int = 10
     eta: float = 1.0  # SDE noise level of the trained steps
+    # the stochastic step of velocity models: flow_grpo | cps | dance_grpo (flowalign.samplers.flow_sde);
+    # ε-prediction models (sd, sdxl) always take the DDIM step
+    sde: str = "flow_grpo"
     guidance_scale: float = 1.0
     step_mode: str = "all"  # all | fraction | window (flowalign.samplers.steps)
     fraction: float = 0.6
@@ -83,6 +86,9 @@ class TrainConfig:
     kl_beta: float = 0.0
     advantage_clip: float = 5.0
     global_std: bool = False
+    # DanceGRPO: one advantage per weighted reward component, each with its own clipped objective
+    per_reward_advantages: bool = False
+    keep_extremes: int = 0  # best-of-N: train only on each group's k best and k worst samples (0 = all)
     async_reward: bool = True  # score each sampling batch in a thread while the next one samples
     per_prompt_stats: bool = False  # DDPO-style per-prompt tracker instead of group statistics
     ema_decay: float = 0.0  # 0 = off; evaluation uses the EMA weights when on
@@ -129,10 +135,13 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.attention": ("sdpa", "xformers"),
     "sampling.step_mode": ("all", "fraction", "window"),
+    "sampling.sde": ("flow_grpo", "cps", "dance_grpo"),
     "sampling.log_prob_reduction": ("mean", "sum"),
     "train.mixed_precision": ("no", "fp16", "bf16"),
     "tracker": ("tensorboard", "wandb", "none"),
-    "method": ("flow_grpo", "diffusion_nft"),
+    # flow_grpo, dance_grpo and ddpo share the clipped-ratio loss over stochastic steps (dance_grpo
+    # without KL; ddpo on the DDIM steps of sd / sdxl); diffusion_nft trains on the forward process
+    "method": ("flow_grpo", "dance_grpo", "ddpo", "diffusion_nft"),
 }
 
 
@@ -261,6 +270,12 @@ def check_values(config: RunConfig, where: str = "config") -> None:
          "must be > 0 to train with log-probabilities (η = 0 is ODE sampling; diffusion_nft allows it)"),
         ("sampling.eta", s.eta >= 0, "must be ≥ 0"),
         ("train.nft_beta", t.nft_beta > 0, "must be > 0"),
+        ("train.kl_beta", config.method != "dance_grpo" or t.kl_beta == 0,
+         "must be 0 for dance_grpo (no reference model); use method=flow_grpo for a KL"),
+        ("train.keep_extremes", t.keep_extremes >= 0 and 2 * t.keep_extremes <= t.group_size,
+         "must be between 0 and group_size / 2"),
+        ("train.per_reward_advantages", not (t.per_reward_advantages and t.per_prompt_stats),
+         "cannot be combined with train.per_prompt_stats"),
         ("train.nft_timesteps", 1 <= t.nft_timesteps <= s.num_steps, "must be between 1 and sampling.num_steps"),
         ("train.nft_old_decay_max", 0 <= t.nft_old_decay_max < 1, "must be in [0, 1)"),
         ("model.lora_rank", config.model.lora_rank >= 0, "must be ≥ 0 (0 = full fine-tuning)"),

@@ -1,7 +1,8 @@
 """Rollout: run a sampler over an adapter and keep the whole trajectory for training.
 
-Shapes: B samples, S steps; latents x [B, ...]. The trajectory stores every latent so each SDE
-transition can be rescored under the current policy (``rescore_step``).
+Shapes: B samples, S steps; latents x [B, ...]. The trajectory stores every latent so each
+stochastic transition can be rescored under the current policy with ``transition`` (the flow SDEs
+for velocity models, DDIM for ε-prediction models).
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flowalign.samplers.flow_sde import StepOutput, flow_grpo_sde_step, ode_step
+from flowalign.samplers.ddim import ddim_step
+from flowalign.samplers.flow_sde import FLOW_SDE_STEPS, StepOutput, ode_step
 from flowalign.samplers.steps import StepPlan
 from pipelines.base import Conditioning, Schedule
 
@@ -19,7 +21,8 @@ from pipelines.base import Conditioning, Schedule
 class Trajectory:
     """latents: float32 [B, S + 1, ...] (x_0 is the initial noise, x_S the sample);
     log_probs: [B, S] (0 at ODE steps); trained: bool [B, S]; noise_levels: η per step [S];
-    sigmas [S + 1], timesteps [S] as in the schedule; cond: the conditioning used."""
+    sigmas [S + 1], timesteps [S] as in the schedule; cond: the conditioning used;
+    alphas_cumprod, alphas_cumprod_prev [S]: the schedule's ᾱ's (DDIM rollouts only, else None)."""
 
     latents: torch.Tensor
     log_probs: torch.Tensor
@@ -28,57 +31,79 @@ class Trajectory:
     sigmas: torch.Tensor
     timesteps: torch.Tensor
     cond: Conditioning
+    alphas_cumprod: torch.Tensor | None = None
+    alphas_cumprod_prev: torch.Tensor | None = None
 
     def __getitem__(self, index) -> "Trajectory":
         """Select samples; the per-step schedule tensors are shared."""
         return Trajectory(self.latents[index], self.log_probs[index], self.trained[index], self.noise_levels,
-                          self.sigmas, self.timesteps, self.cond[index])
+                          self.sigmas, self.timesteps, self.cond[index], self.alphas_cumprod,
+                          self.alphas_cumprod_prev)
 
     @staticmethod
     def cat(parts: list["Trajectory"]) -> "Trajectory":
         first = parts[0]
         return Trajectory(torch.cat([p.latents for p in parts]), torch.cat([p.log_probs for p in parts]),
                           torch.cat([p.trained for p in parts]), first.noise_levels, first.sigmas, first.timesteps,
-                          Conditioning.cat([p.cond for p in parts]))
+                          Conditioning.cat([p.cond for p in parts]), first.alphas_cumprod, first.alphas_cumprod_prev)
+
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule the trajectory was sampled with (what a transition function takes)."""
+        return Schedule(self.sigmas, self.timesteps, self.alphas_cumprod, self.alphas_cumprod_prev)
 
     @property
     def samples(self) -> torch.Tensor:
         return self.latents[:, -1]
 
 
-def sde_transition(adapter, x, step: int, sigmas, timesteps, eta, cond, guidance_scale, *,
-                   noise=None, prev_sample=None, reduction="mean", model=None) -> StepOutput:
-    """One Flow-GRPO SDE step from x at ``step`` (sample with ``noise`` or score ``prev_sample``)."""
-    v = adapter.predict(x, timesteps[step], cond, guidance_scale, model=model)
-    return flow_grpo_sde_step(v, x, sigmas[step], sigmas[step + 1], eta, noise=noise, prev_sample=prev_sample,
-                              sigma_fallback=float(sigmas[1]), reduction=reduction)
+def transition(adapter, x, step: int, schedule: Schedule, eta, cond, guidance_scale, *, sde: str = "flow_grpo",
+               noise=None, prev_sample=None, reduction="mean", model=None) -> StepOutput:
+    """One step from x at ``step``: sample with ``noise``, score ``prev_sample``, or (η = 0)
+    neither. ε-prediction adapters (``adapter.prediction == "epsilon"``) take the DDIM step, whose
+    parameterisation and x̂0 clipping are the adapter's; velocity models take the ``sde`` step
+    of ``FLOW_SDE_STEPS`` (flow_grpo | cps | dance_grpo), or the Euler step at η = 0."""
+    out = adapter.predict(x, schedule.timesteps[step], cond, guidance_scale, model=model)
+    if getattr(adapter, "prediction", "velocity") == "epsilon":
+        return ddim_step(out, x, schedule.alphas_cumprod[step], schedule.alphas_cumprod_prev[step], eta,
+                         prediction_type=adapter.prediction_type, clip_sample_range=adapter.clip_sample_range,
+                         noise=noise, prev_sample=prev_sample, reduction=reduction)
+    sigmas = schedule.sigmas
+    if eta == 0:
+        x_next = ode_step(out, x, sigmas[step], sigmas[step + 1])
+        return StepOutput(x_next, x_next, torch.zeros(()), torch.zeros(x.shape[0], device=x.device))
+    return FLOW_SDE_STEPS[sde](out, x, sigmas[step], sigmas[step + 1], eta, noise=noise, prev_sample=prev_sample,
+                               sigma_fallback=float(sigmas[1]), reduction=reduction)
 
 
 @torch.no_grad()
 def rollout(adapter, cond: Conditioning, noise: torch.Tensor, schedule: Schedule, plan: StepPlan, *,
-            guidance_scale: float = 1.0, generator: torch.Generator | None = None,
+            guidance_scale: float = 1.0, generator: torch.Generator | None = None, sde: str = "flow_grpo",
             reduction: str = "mean") -> Trajectory:
-    """Sample from ``noise`` [B, ...] with an SDE step where ``plan.noise_levels`` > 0 and an Euler
-    (ODE) step elsewhere. SDE noise is drawn from ``generator`` (on its device, then moved)."""
-    sigmas, timesteps = schedule.sigmas, schedule.timesteps
+    """Sample from ``noise`` [B, ...] with a stochastic step where ``plan.noise_levels`` > 0 (the
+    ``sde`` of a velocity model, DDIM for an ε-prediction one) and a deterministic step elsewhere
+    (log-prob 0 there). Step noise is drawn from ``generator`` (on its device, then moved), one
+    [B, ...] draw per stochastic step, in the order diffusers' pipelines draw it: with η = 0 a
+    velocity model reproduces the pipeline, and a DDIM rollout with the same generator reproduces
+    ``pipe(..., eta=η)``."""
     steps = schedule.num_steps
     if len(plan.noise_levels) != steps:
         raise ValueError(f"plan has {len(plan.noise_levels)} steps, schedule {steps}")
+    if getattr(adapter, "prediction", "velocity") == "epsilon" and schedule.alphas_cumprod is None:
+        raise ValueError("an ε-prediction rollout needs a schedule with alphas_cumprod (the adapter's)")
     x = noise.float()
     latents, log_probs = [x], torch.zeros(x.shape[0], steps)
     for i in range(steps):
         eta = float(plan.noise_levels[i])
+        eps = None
         if eta > 0:
-            eps = torch.randn(x.shape, generator=generator, device=generator.device if generator else "cpu")
-            out = sde_transition(adapter, x, i, sigmas, timesteps, eta, cond, guidance_scale,
-                                 noise=eps.to(x.device), reduction=reduction)
-            x, log_probs[:, i] = out.prev_sample, out.log_prob.cpu()
-        else:
-            v = adapter.predict(x, timesteps[i], cond, guidance_scale)
-            x = ode_step(v, x, sigmas[i], sigmas[i + 1])
+            eps = torch.randn(x.shape, generator=generator, device=generator.device if generator else "cpu").to(x.device)
+        out = transition(adapter, x, i, schedule, eta, cond, guidance_scale, sde=sde, noise=eps, reduction=reduction)
+        x, log_probs[:, i] = out.prev_sample, out.log_prob.cpu()
         latents.append(x)
     return Trajectory(torch.stack(latents, dim=1), log_probs.to(x.device), plan.trained.to(x.device),
-                      plan.noise_levels, sigmas, timesteps, cond)
+                      plan.noise_levels, schedule.sigmas, schedule.timesteps, cond, schedule.alphas_cumprod,
+                      schedule.alphas_cumprod_prev)
 
 
 def group_noise(adapter, groups: int, group_size: int, generator: torch.Generator, shared: bool) -> torch.Tensor:

@@ -39,13 +39,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from flowalign.advantages import PerPromptStatTracker, combine_rewards, group_advantages
+from flowalign.advantages import PerPromptStatTracker, combine_rewards, extremes_mask, group_advantages
 from flowalign.config import ConfigError, RunConfig, check_values, to_dict
 from flowalign.grids import save_grid, side_by_side, to_pil_grid
 from flowalign.objectives.diffusion_nft import diffusion_nft_loss, old_policy_decay, optimality_probability
 from flowalign.objectives.flow_grpo import flow_grpo_loss
 from flowalign.prompts import load_prompts
-from flowalign.rollout import Trajectory, group_noise, rollout, sde_transition
+from flowalign.rollout import Trajectory, group_noise, rollout, transition
 from flowalign.samplers.steps import StepPlan, plan_steps
 from pipelines import adapter_class
 from reward_models.base import build_reward
@@ -179,6 +179,10 @@ class Trainer:
         m = config.model
         self.adapter = adapter_class(m.family).from_pretrained(
             m.path, dtype=m.dtype, device=acc.device, height=m.height, width=m.width)
+        prediction = getattr(self.adapter, "prediction", "velocity")
+        if (prediction == "epsilon") != (config.method == "ddpo"):
+            raise ConfigError(f"config: method {config.method!r} does not apply to model family {m.family!r} "
+                              f"({prediction} prediction): use ddpo for sd / sdxl, any other method for flow models")
         if m.lora_rank > 0:
             with torch.random.fork_rng(devices=[]):  # the LoRA's random init is part of the run's seed
                 torch.manual_seed(t.seed)
@@ -336,7 +340,7 @@ class Trainer:
                     sl = slice(lo, lo + t.sample_batch_size)
                     part = rollout(self.adapter, cond[sl], noise[sl], schedule,
                                    StepPlan(plan.noise_levels, plan.trained[sl]), guidance_scale=s.guidance_scale,
-                                   generator=streams["noise"], reduction=s.log_prob_reduction)
+                                   generator=streams["noise"], sde=s.sde, reduction=s.log_prob_reduction)
                     parts.append(part)
                     images = self.adapter.decode(part.samples)
                     scored.append(pool.submit(self._reward_chunk, images, shard_specs[sl]) if t.async_reward
@@ -370,15 +374,17 @@ class Trainer:
 
     def compute_advantages(self, batch: EpochBatch) -> tuple[torch.Tensor, dict]:
         """Group-normalised advantages over every process's samples (a group lives on one shard, its
-        id is unique over all of them); returns this process's share [B], NaN where a sample must
-        not train: its reward was dropped or its advantage is not finite (``adv/nonfinite``)."""
+        id is unique over all of them); returns this process's share: [B], or [B, C] with one
+        column per weighted reward (``train.per_reward_advantages``), NaN where a sample must not
+        train: its reward was dropped, its advantage is not finite (``adv/nonfinite``), or it is
+        not among its group's extremes (``train.keep_extremes``)."""
         acc, t = self.accelerator, self.config.train
         device = acc.device
         rewards = acc.gather(batch.rewards.to(device)).cpu()
         group_ids = acc.gather(batch.group_ids.to(device)).cpu()
-        stats = {}
+        stats, gathered = {}, {}
         for name, values in batch.components.items():
-            values = acc.gather(values.to(device)).cpu()
+            gathered[name] = values = acc.gather(values.to(device)).cpu()
             ok = torch.isfinite(values)
             stats[f"reward/{name}"] = values[ok].mean().item() if ok.any() else float("nan")
         valid = torch.isfinite(rewards)
@@ -392,11 +398,25 @@ class Trainer:
                                               batch.rewards[k * size:(k + 1) * size])
                                for k, tracker in enumerate(self.trackers)])
         else:
-            adv, adv_stats = group_advantages(rewards, group_ids, global_std=t.global_std, clip=t.advantage_clip)
-            local = adv[acc.process_index * n:(acc.process_index + 1) * n]
+            # a sample dropped for one weighted component is dropped for all (combine_rewards' NaN)
+            columns = [torch.where(valid, gathered[name], float("nan")) for name in self.config.reward.weights] \
+                if t.per_reward_advantages else [rewards]
+            advs = []
+            for column in columns:
+                adv, adv_stats = group_advantages(column, group_ids, global_std=t.global_std, clip=t.advantage_clip)
+                advs.append(adv)
+            local = (torch.stack(advs, dim=1) if t.per_reward_advantages else advs[0])[acc.process_index * n:
+                                                                                       (acc.process_index + 1) * n]
             stats.update({f"adv/{k}": v for k, v in adv_stats.items()})
+        drop = ~torch.isfinite(batch.rewards)
+        if t.keep_extremes:
+            drop |= ~extremes_mask(rewards, group_ids, t.keep_extremes)[acc.process_index * n:
+                                                                       (acc.process_index + 1) * n]
         nonfinite = ~torch.isfinite(local)  # e.g. rewards so large that their mean overflows
-        local = torch.where(nonfinite | ~torch.isfinite(batch.rewards), float("nan"), local)
+        if local.ndim == 2:
+            nonfinite, drop = nonfinite.any(dim=1), drop[:, None]
+        local = torch.where(nonfinite[:, None] if local.ndim == 2 else nonfinite, float("nan"), local)
+        local = torch.where(drop, float("nan"), local)
         every = self._across_processes([float(nonfinite.sum()), torch.nan_to_num(local).abs().mean().item()])
         stats["adv/nonfinite"] = int(every[:, 0].sum())
         stats["adv/abs_mean"] = every[:, 1].mean().item()
@@ -411,6 +431,7 @@ class Trainer:
         acc, t = self.accelerator, self.config.train
         traj, device = batch.traj, acc.device
         valid = torch.isfinite(advantages).to(device)
+        valid = valid.all(dim=1) if valid.ndim == 2 else valid
         advantages = torch.nan_to_num(advantages, nan=0.0).to(device)
         # loss terms per minibatch: trained SDE steps, or DiffusionNFT's noising draws
         steps = list(range(t.nft_timesteps)) if self.nft else \
@@ -480,18 +501,23 @@ class Trainer:
         t, s = self.config.train, self.config.sampling
         x, x_next = sub.latents[:, j], sub.latents[:, j + 1]
         eta = float(sub.noise_levels[j])
-        args = (self.adapter, x, j, sub.sigmas, sub.timesteps, eta, sub.cond, s.guidance_scale)
-        out = sde_transition(*args, prev_sample=x_next, reduction=s.log_prob_reduction, model=self.model)
+        args = (self.adapter, x, j, sub.schedule, eta, sub.cond, s.guidance_scale)
+        out = transition(*args, sde=s.sde, prev_sample=x_next, reduction=s.log_prob_reduction, model=self.model)
         ref_mean = None
         if t.kl_beta > 0:
             # under FSDP a LoRA's reference (adapters off) must run through the wrapper that holds the shards
             fsdp_lora = self.accelerator.distributed_type == DistributedType.FSDP and self.config.model.lora_rank > 0
             with torch.no_grad(), self.adapter.reference():
-                ref_mean = sde_transition(*args, prev_sample=x_next, reduction=s.log_prob_reduction,
-                                          model=self.model if fsdp_lora else None).mean
+                ref_mean = transition(*args, sde=s.sde, prev_sample=x_next, reduction=s.log_prob_reduction,
+                                      model=self.model if fsdp_lora else None).mean
         return flow_grpo_loss(out.log_prob, sub.log_probs[:, j], adv, clip_range=t.clip_range, beta=t.kl_beta,
                               mean=out.mean, ref_mean=ref_mean, std=out.std, weight=weight,
-                              reduction=s.log_prob_reduction)
+                              reduction=s.log_prob_reduction,
+                              advantage_weights=self._reward_weights() if adv.ndim == 2 else None)
+
+    def _reward_weights(self) -> torch.Tensor:
+        """[C] the configured reward weights, in the order of the per-reward advantage columns."""
+        return torch.tensor(list(self.config.reward.weights.values()), dtype=torch.float32)
 
     def _nft_draws(self, traj: Trajectory) -> tuple[torch.Tensor, torch.Tensor]:
         """DiffusionNFT's noising draws for one inner epoch, from each shard's noise stream: schedule
@@ -522,6 +548,8 @@ class Trainer:
                 with self.adapter.reference():
                     v_ref = self.adapter.predict(x_t, timestep, sub.cond, 1.0)
         v_theta = self.adapter.predict(x_t, timestep, sub.cond, 1.0, model=self.model)
+        if adv.ndim == 2:  # one column per reward: r follows their weighted sum
+            adv = adv @ self._reward_weights().to(adv)
         return diffusion_nft_loss(v_theta, v_old, x_t, x0, sigma, optimality_probability(adv, t.advantage_clip),
                                   beta=t.nft_beta, v_ref=v_ref, kl_beta=t.kl_beta, weight=weight)
 

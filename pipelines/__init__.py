@@ -2,7 +2,8 @@
 
 from pipelines.base import Adapter, Conditioning, ModelNotFoundError, Schedule, resolve_model_path
 
-FAMILIES = {"sd3": "pipelines.sd3:SD3Adapter"}
+FAMILIES = {"sd3": "pipelines.sd3:SD3Adapter", "sd": "pipelines.sd:SDAdapter", "sdxl": "pipelines.sdxl:SDXLAdapter"}
+FAMILIES["chess"] = "pipelines.chess:ChessAdapter"  # masked discrete diffusion (prediction "logits")
 
 
 def adapter_class(family: str):

@@ -44,11 +44,19 @@ class Conditioning:
 
 @dataclass
 class Schedule:
-    """What the pipeline's scheduler would use: sigmas float32 [S + 1] (σ_S = 0) and the model's
-    timestep inputs [S]."""
+    """What the pipeline's scheduler would use for S steps: the model's timestep inputs [S] and
+
+    * sigmas float32 [S + 1]: the noise level of the latent before each step and after the last:
+      the flow σ (σ_S = 0) for velocity models; sqrt(1 − ᾱ) for ε-prediction models (σ_S > 0
+      when the scheduler does not set ᾱ to 1 after the last step, as SD's does not);
+    * alphas_cumprod, alphas_cumprod_prev float32 [S] (ε-prediction models only, else None):
+      ᾱ at each step's timestep and at the timestep it steps to, what the DDIM step reads.
+    """
 
     sigmas: torch.Tensor
     timesteps: torch.Tensor
+    alphas_cumprod: torch.Tensor | None = None
+    alphas_cumprod_prev: torch.Tensor | None = None
 
     @property
     def num_steps(self) -> int:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flowalign.advantages import PerPromptStatTracker, combine_rewards, group_advantages
+from flowalign.advantages import PerPromptStatTracker, combine_rewards, extremes_mask, group_advantages
 from flowalign.objectives.flow_grpo import flow_grpo_loss
 from flowalign.samplers.flow_sde import gaussian_log_prob
 
@@ -82,3 +82,23 @@ def test_gradient_steps_move_a_gaussian_policy_toward_rewarded_samples():
             theta -= 0.1 * theta.grad
             theta.grad = None
     assert theta.item() > 1.0
+
+
+def test_extremes_mask_keeps_each_groups_best_and_worst():
+    rewards = torch.tensor([0.5, 0.1, 0.9, 0.3, float("nan"), 2.0, 1.0, 3.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    assert extremes_mask(rewards, groups, 1).tolist() == [False, True, True, False, False, False, True, True]
+    assert extremes_mask(rewards, groups, 2).tolist() == [True, True, True, True, False, True, True, True]
+
+
+def test_per_reward_loss_is_the_weighted_sum_of_each_rewards_clipped_loss():
+    g = torch.Generator().manual_seed(0)
+    log_prob, old = torch.randn(6, generator=g) * 1e-3, torch.randn(6, generator=g) * 1e-3
+    adv = torch.randn(6, 2, generator=g)
+    w = torch.tensor([0.7, 0.3])
+    both, _ = flow_grpo_loss(log_prob, old, adv, clip_range=1e-4, advantage_weights=w)
+    parts = [flow_grpo_loss(log_prob, old, adv[:, c], clip_range=1e-4)[0] for c in range(2)]
+    assert both.item() == pytest.approx((0.7 * parts[0] + 0.3 * parts[1]).item(), rel=1e-6)
+    # clipping acts per reward: this differs from the loss of the combined advantage
+    combined, _ = flow_grpo_loss(log_prob, old, adv @ w, clip_range=1e-4)
+    assert combined.item() != pytest.approx(both.item(), rel=1e-6)

@@ -1,10 +1,18 @@
 """Typed YAML configs with command-line overrides: bad input names the key and the file."""
 
+from pathlib import Path
+
 import pytest
 
-from flowalign.config import ConfigError, load_config, parse_override
+from flowalign.config import ConfigError, check_values, load_config, parse_override
 
 DEMO = "configs/shapes_flow_grpo.yaml"
+RECIPES = sorted(str(p) for p in Path("configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_loads_and_passes_the_value_checks(recipe):
+    check_values(load_config(recipe), recipe)
 
 
 def test_demo_config_loads_and_overrides_apply():

@@ -145,3 +145,16 @@ def test_advantages_rank_each_groups_own_samples_by_their_reward(tiny_sd3_dir, t
         assert len({spec["prompt"] for spec, m in zip(batch.specs, members) if m}) == 1
         assert torch.equal(advantages[members].argsort(), batch.rewards[members].argsort())
         assert abs(advantages[members].mean().item()) < 1e-4
+
+
+def test_dance_grpo_options_train_only_the_extremes_with_one_advantage_per_reward(tiny_sd3_dir, tmp_path):
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, "train.epochs=1", "train.keep_extremes=1",
+                                  "train.per_reward_advantages=true", "reward.weights={score: 1.0, accuracy: 0.5}",
+                                  "sampling.step_mode=fraction", "sampling.shared_group_noise=true"))
+    batch = trainer.sample_epoch()
+    advantages, _ = trainer.compute_advantages(batch)
+    assert advantages.shape == (8, 2)
+    kept = torch.isfinite(advantages).all(dim=1)
+    assert kept.sum() == 4  # the best and the worst of each of the two groups of 4
+    trainer.train()
+    assert math.isfinite(trainer.history[0]["train/policy_loss"])

@@ -1,0 +1,124 @@
+"""DDPO for masked discrete diffusion (the chess world): PPO over unmasking steps, a KL to the
+reference policy, an entropy bonus, and a leave-one-out group baseline (METHODS §3).
+
+Per recorded step x_s → x_{s+1} of a sample, with U the positions the step newly unmasked and
+π(· | x_s, ℓ) = softmax(logits_ℓ / τ) each position's categorical (``samplers/unmasking.py``):
+
+    log p_θ = Σ_{ℓ∈U} log π_θ(x_{s+1,ℓ} | x_s, ℓ)            (the unmasking plan cancels)
+    ratio   = exp(log p_θ − log p_old)
+    L_clip  = max(−A·ratio, −A·clip(ratio, 1 − ε, 1 + ε))
+    KL      = Σ_{ℓ∈U} Σ_v π_θ(v) (log π_θ(v) − log π_ref(v))   (exact, categorical vs categorical)
+    H       = Σ_{ℓ∈U} −Σ_v π_θ(v) log π_θ(v)
+    L       = mean over samples of (L_clip + β·KL − c_H·H)
+
+KL and H are **summed** over U like the log-prob: the step's distribution factorises over its
+positions, so these are the KL and entropy of the whole step. The ratio is per step, not per
+token (a per-token clip would be a different objective). The trainer sums L over steps by
+gradient accumulation. METHODS: β ≈ 0.1, c_H ≈ 0.2, groups of 16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flowalign.samplers.unmasking import score_step
+
+
+def _log_pi(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.log_softmax(logits.float() / temperature, dim=-1)
+
+
+def categorical_kl(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """KL(π ‖ π_ref) per position. logits, ref_logits: [B, L, V] (−inf = disallowed, the same
+    tokens in both); returns [B, L] (0·log 0 taken as 0)."""
+    log_p, log_q = _log_pi(logits, temperature), _log_pi(ref_logits, temperature)
+    terms = log_p.exp() * (log_p - log_q)
+    return torch.where(torch.isfinite(log_p), terms, torch.zeros_like(terms)).sum(-1)
+
+
+def categorical_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """H(π) per position. logits: [B, L, V] → [B, L] (0·log 0 taken as 0)."""
+    log_p = _log_pi(logits, temperature)
+    terms = -log_p.exp() * log_p
+    return torch.where(torch.isfinite(log_p), terms, torch.zeros_like(terms)).sum(-1)
+
+
+def masked_ddpo_loss(
+    logits: torch.Tensor,
+    next_tokens: torch.Tensor,
+    unmask: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_range: float,
+    ref_logits: torch.Tensor | None = None,
+    beta: float = 0.0,
+    entropy_coef: float = 0.0,
+    temperature: float = 1.0,
+    weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The masked-DDPO loss of one step for a minibatch.
+
+    logits: [B, L, V] of the policy at x_s (with grad); next_tokens: long [B, L] = x_{s+1};
+    unmask: bool [B, L] the step's newly unmasked positions; old_log_prob: [B] recorded at
+    sampling; advantages: [B]; ref_logits: [B, L, V] of the reference at x_s (needed when β > 0);
+    temperature: the τ the rollout sampled with; weight: [B] in {0, 1}, which samples train this
+    step (default: those whose step unmasks at least one position; a step that unmasks nothing
+    has no gradient). The loss is the weighted mean over samples. Returns (loss scalar, stats:
+    policy_loss, kl, entropy, ratio, clipfrac, approx_kl).
+    """
+    weight = unmask.any(-1).float() if weight is None else weight.float()
+    denom = weight.sum().clamp(min=1.0)
+    mean = lambda values: (values * weight).sum() / denom  # noqa: E731
+    log_prob = score_step(logits, next_tokens, unmask, temperature=temperature).log_prob
+    ratio = torch.exp(log_prob - old_log_prob)
+    clipped = torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    policy_loss = mean(torch.maximum(-advantages * ratio, -advantages * clipped))
+    zero = torch.zeros_like(unmask, dtype=torch.float32)
+    entropy = mean(torch.where(unmask, categorical_entropy(logits, temperature), zero).sum(-1))
+    loss = policy_loss - entropy_coef * entropy
+    kl = torch.zeros((), device=logits.device)
+    if beta > 0:
+        if ref_logits is None:
+            raise ValueError("beta > 0 needs ref_logits (the reference policy's logits at the same state)")
+        kl = mean(torch.where(unmask, categorical_kl(logits, ref_logits, temperature), zero).sum(-1))
+        loss = loss + beta * kl
+    with torch.no_grad():
+        stats = {
+            "policy_loss": policy_loss.detach(), "kl": kl.detach(), "entropy": entropy.detach(),
+            "ratio": mean(ratio), "clipfrac": mean(((ratio - 1).abs() > clip_range).float()),
+            "approx_kl": mean(0.5 * (log_prob - old_log_prob) ** 2),
+        }
+    return loss, stats
+
+
+def leave_one_out_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    scale_by_std: bool = True,
+    eps: float = 1e-4,
+    clip: float = 5.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """A_i = r_i − mean of the *other* samples of i's group, optionally divided by the group's
+    (population, ddof 0) std + eps, clipped to ±clip.
+
+    rewards: [B] (NaN = dropped: advantage 0, left out of every statistic); group_ids: [B].
+    A group with fewer than two valid samples gets 0. Note r_i − mean_{j≠i} r_j =
+    G/(G − 1)·(r_i − mean_group): the GRPO advantage scaled by G/(G − 1), unbiased because the
+    baseline does not contain r_i. Returns (advantages [B], stats: groups, zero_spread_groups).
+    """
+    valid = torch.isfinite(rewards)
+    adv = torch.zeros_like(rewards, dtype=torch.float32)
+    n_groups, zero_spread = 0, 0
+    for gid in torch.unique(group_ids[valid]):
+        members = valid & (group_ids == gid)
+        r = rewards[members].float()
+        n_groups += 1
+        if len(r) < 2:
+            continue
+        baseline = (r.sum() - r) / (len(r) - 1)
+        std = r.std(unbiased=False)
+        zero_spread += int(std.item() < 1e-8)
+        adv[members] = (r - baseline) / (std + eps) if scale_by_std else r - baseline
+    return adv.clamp(-clip, clip), {"groups": float(n_groups), "zero_spread_groups": zero_spread / max(n_groups, 1)}

@@ -1,0 +1,205 @@
+"""What every adapter whose denoiser is one diffusers model (SD3's transformer, SD's UNet) does
+the same way: loading, initial noise, classifier-free-guidance batching, LoRA, full
+fine-tuning, the reference policy and saving.
+
+A family subclasses ``DenoiserAdapter``, names its pipeline class and the pipeline attribute of
+its denoiser (``model_folder``: "transformer", "unet"; also the folder a fully fine-tuned model
+is saved to), and writes ``encode``, ``negative``, ``schedule``, ``predict`` and ``decode``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pipelines.base import Conditioning, ModelNotFoundError, disabled_lora, load_with_hub_fallback
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"  # what save_lora_weights writes
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def load_trained_weights(pipe, trained: str | Path, model_folder: str, dtype: torch.dtype) -> None:
+    """Put a ``save_trained`` folder's weights into ``pipe`` as plain diffusers would: LoRA weights
+    fused in, or the fully fine-tuned ``<model_folder>/`` replacing the denoiser."""
+    trained = Path(trained)
+    if (trained / model_folder).is_dir():
+        model_class = type(getattr(pipe, model_folder))
+        setattr(pipe, model_folder, model_class.from_pretrained(trained / model_folder, torch_dtype=dtype))
+    elif (trained / LORA_WEIGHTS_NAME).is_file():
+        pipe.load_lora_weights(trained)
+        pipe.fuse_lora()
+        pipe.unload_lora_weights()
+    else:
+        raise ModelNotFoundError(f"no trained weights in {trained.resolve()}: expected {LORA_WEIGHTS_NAME} "
+                                 f"or a {model_folder}/ folder (a run's final/ or a checkpoint's policy/)")
+
+
+class DenoiserAdapter:
+    """The family-independent half of an adapter (see the module docstring).
+
+    Attributes: ``pipe`` the diffusers pipeline; ``model`` its denoiser, unwrapped (peft and
+    saving act on it); ``denoiser`` what forward passes call by default (the reference context
+    may swap it); ``height``/``width`` of the images, by default the model's sample size.
+    """
+
+    pipeline_class: type
+    model_folder: str
+    lora_targets: tuple[str, ...]
+
+    def __init__(self, pipe, *, device: str | torch.device = "cpu", height: int | None = None,
+                 width: int | None = None):
+        self.pipe = pipe.to(device)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.device = torch.device(device)
+        self.model: nn.Module = getattr(pipe, self.model_folder)
+        self.denoiser: nn.Module = self.model  # the trainer may pass its wrapped module as ``model=``
+        size = self.model.config.sample_size
+        size_h, size_w = (size, size) if isinstance(size, int) else size
+        self.height = height or size_h * pipe.vae_scale_factor
+        self.width = width or size_w * pipe.vae_scale_factor
+        self.lora = False
+        self._frozen_reference: nn.Module | None = None
+        self._negative: Conditioning | None = None
+        for part in pipe.components.values():
+            if isinstance(part, nn.Module):
+                part.requires_grad_(False).eval()
+
+    @classmethod
+    def pipeline_kwargs(cls, path: str) -> dict:
+        """Extra ``from_pretrained`` arguments for the folder or hub id ``path`` (e.g. parts to skip)."""
+        return {}
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, *, dtype: str = "float32", device: str = "cpu",
+                        trained: str | Path | None = None, **kwargs):
+        """Load from a built-in demo name, a local diffusers folder or a hub id. ``trained``: a
+        folder written by ``save_trained`` (a run's ``final/`` or a checkpoint's ``policy/``),
+        loaded as plain diffusers would: LoRA weights fused in, or its ``<model_folder>/``."""
+        dtype_ = torch_dtype(dtype)
+
+        def load(path, **kw):
+            return cls.pipeline_class.from_pretrained(path, dtype=dtype_, **cls.pipeline_kwargs(path), **kw)
+
+        pipe = load_with_hub_fallback(load, name_or_path)
+        if trained is not None:
+            load_trained_weights(pipe, trained, cls.model_folder, dtype_)
+        return cls(pipe, device=device, **kwargs)
+
+    # -- sampling ------------------------------------------------------------------------
+    def latent_shape(self) -> tuple[int, ...]:
+        f = self.pipe.vae_scale_factor
+        return (self.model.config.in_channels, self.height // f, self.width // f)
+
+    def initial_noise(self, batch: int, generator: torch.Generator) -> torch.Tensor:
+        """Standard normal [B, C, h, w], drawn as the pipeline draws it from the same generator."""
+        return torch.randn((batch, *self.latent_shape()), generator=generator, device=generator.device,
+                           dtype=torch.float32).to(self.device)
+
+    def negative(self) -> Conditioning:
+        """The unconditional branch of CFG [1, ...], as the pipeline makes it (cached)."""
+        raise NotImplementedError
+
+    def guidance_inputs(self, x: torch.Tensor, cond: Conditioning, guidance_scale: float):
+        """(x, conditioning tensors) for the denoiser: with CFG (guidance_scale > 1) both doubled to
+        [2B, ...] as [unconditional, conditional], the pipelines' order."""
+        if guidance_scale <= 1.0:
+            return x, cond.tensors
+        negative = self.negative().tensors
+        tensors = {k: torch.cat([negative[k].expand(len(v), *v.shape[1:]), v]) for k, v in cond.tensors.items()}
+        return torch.cat([x, x]), tensors
+
+    @staticmethod
+    def guide(output: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+        """[2B, ...] → uncond + g·(cond − uncond) [B, ...]; unchanged without CFG."""
+        if guidance_scale <= 1.0:
+            return output
+        uncond, text = output.chunk(2)
+        return uncond + guidance_scale * (text - uncond)
+
+    # -- training ------------------------------------------------------------------------
+    def add_lora(self, rank: int, alpha: float | None = None, targets: tuple[str, ...] | list[str] | None = None,
+                 init: str | bool = "gaussian") -> None:
+        """Attach a peft LoRA to the denoiser; only its weights train (kept in float32)."""
+        from peft import LoraConfig
+
+        self.model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha or rank, init_lora_weights=init,
+                                          target_modules=list(targets or self.lora_targets)))
+        for p in self.model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+        self.lora = True
+
+    def enable_full_finetune(self, keep_reference: bool) -> None:
+        """Train every denoiser weight; ``keep_reference`` keeps a frozen copy for the KL."""
+        if keep_reference:
+            self._frozen_reference = copy.deepcopy(self.model).requires_grad_(False).eval()
+        self.model.requires_grad_(True)
+
+    def trainable(self) -> nn.Module:
+        return self.model
+
+    @contextlib.contextmanager
+    def reference(self):
+        """Inside this context ``predict`` is the reference policy (LoRA off, or the frozen copy)."""
+        if self.lora:
+            with disabled_lora(self.model):
+                yield
+        elif self._frozen_reference is not None:
+            current, self.denoiser = self.denoiser, self._frozen_reference
+            try:
+                yield
+            finally:
+                self.denoiser = current
+        else:
+            raise RuntimeError("no reference policy: full fine-tuning was set up without keep_reference")
+
+    def trained_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained weights: the LoRA layers in peft/diffusers naming, or the whole denoiser."""
+        if self.lora:
+            from peft import get_peft_model_state_dict
+
+            return get_peft_model_state_dict(self.model)
+        return self.model.state_dict()
+
+    def load_trained_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.lora:
+            from peft import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(self.model, state)
+            if getattr(result, "unexpected_keys", None):
+                raise KeyError(f"unexpected LoRA keys: {result.unexpected_keys[:5]}")
+        else:
+            self.model.load_state_dict(state)
+
+    def save_trained(self, directory: str | Path) -> None:
+        """LoRA → ``pytorch_lora_weights.safetensors`` with its peft config (rank, alpha, targets) as
+        metadata, so ``pipe.load_lora_weights(directory)`` loads it at the trained scale; full
+        fine-tuning → a diffusers ``<model_folder>/`` folder."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.lora:
+            name = self.model_folder
+            self.pipeline_class.save_lora_weights(
+                directory, safe_serialization=True, **{f"{name}_lora_layers": self.trained_state_dict(),
+                                                       f"{name}_lora_adapter_metadata": self.lora_metadata()})
+        else:
+            self.model.save_pretrained(directory / self.model_folder, safe_serialization=True)
+
+    def lora_metadata(self) -> dict:
+        return self.model.peft_config["default"].to_dict()
+
+    def enable_gradient_checkpointing(self) -> None:
+        self.model.enable_gradient_checkpointing()
+
+    def enable_xformers(self) -> None:
+        self.pipe.enable_xformers_memory_efficient_attention()
