@@ -4,6 +4,7 @@ Examples::
 
     flowalign train configs/shapes_flow_grpo.yaml                     # the built-in demo
     flowalign train configs/shapes_flow_grpo.yaml train.epochs=5 output_dir=runs/try
+    flowalign generate-groups configs/shapes_gdro.yaml --groups 512 && flowalign train configs/shapes_gdro.yaml
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 -m flowalign.cli train CONFIG
     flowalign grid --policies base runs/shapes-flow-grpo --prompts shapes:test --out grid.png
     flowalign eval --policies base runs/shapes-flow-grpo/final --rewards shapes,jpeg_compressibility --out eval
@@ -51,6 +52,15 @@ def cmd_train(args) -> int:
         if isinstance(after[key], float) and isinstance(before.get(key), float):
             print(f"{key}: {before[key]:.4f} → {after[key]:.4f}")
     print(f"outputs in {config.output_dir} (metrics.json, grids/, final/)")
+    return 0
+
+
+def cmd_generate_groups(args) -> int:
+    from flowalign.config import load_config
+    from flowalign.offline import generate_groups
+
+    config = load_config(args.config, args.overrides)
+    print(f"wrote {args.groups} groups to {generate_groups(config, args.groups)}")
     return 0
 
 
@@ -149,6 +159,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML recipe, e.g. configs/shapes_flow_grpo.yaml")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("generate-groups", help="GDRO, phase 1: sample and score prompt groups once, to disk",
+                       description="Sample --groups prompt groups of train.group_size with the untrained model and "
+                                   "the config's sampler, score them with its reward and write them to "
+                                   "data.offline_groups; `flowalign train` with method=gdro then trains on them "
+                                   "without sampling. Overrides as for train.")
+    p.add_argument("config", help="YAML recipe, e.g. configs/shapes_gdro.yaml")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    p.add_argument("--groups", type=int, default=512, help="prompt groups to generate (rounded up to whole "
+                                                           "train.groups_per_epoch batches)")
+    p.set_defaults(func=cmd_generate_groups)
 
     p = sub.add_parser("grid", help="prompts × policies × seeds in one labelled PNG (ODE sampling)",
                        description="Rows are prompts; columns are seeds grouped by policy, every policy "

@@ -60,6 +60,8 @@ class DataConfig:
     eval_prompts: str = "shapes:test"
     # draw a category ("tag") uniformly, then a prompt in it; otherwise every prompt is equally likely
     balance_tags: bool = False
+    # GDRO: the folder of pre-generated groups; `flowalign generate-groups` writes it, method=gdro reads it
+    offline_groups: Optional[str] = None
 
 
 @dataclass
@@ -101,9 +103,14 @@ class TrainConfig:
     rng_shards: Optional[int] = None
     # DiffusionNFT (method: diffusion_nft; flowalign/objectives/diffusion_nft.py)
     nft_beta: float = 1.0  # β: how far the implicit positive / negative policies sit from the old one
-    nft_timesteps: int = 4  # noising draws (distinct schedule σ's) per sample per minibatch
+    noise_draws: int = 4  # noising draws (distinct schedule σ's) per sample per minibatch
     nft_old_decay_rate: float = 0.001  # the old policy's EMA decay after epoch e: min(max, rate·e)
     nft_old_decay_max: float = 0.5
+    # GDRO (method: gdro; flowalign/objectives/gdro.py): implicit-reward scale, target temperature,
+    # weight of the flow-matching loss on each group's best sample
+    gdro_beta: float = 6.0
+    gdro_tau: float = 0.05
+    gdro_gamma: float = 0.5
 
 
 @dataclass
@@ -141,7 +148,7 @@ CHOICES = {
     "tracker": ("tensorboard", "wandb", "none"),
     # flow_grpo, dance_grpo and ddpo share the clipped-ratio loss over stochastic steps (dance_grpo
     # without KL; ddpo on the DDIM steps of sd / sdxl); diffusion_nft trains on the forward process
-    "method": ("flow_grpo", "dance_grpo", "ddpo", "diffusion_nft"),
+    "method": ("flow_grpo", "dance_grpo", "ddpo", "diffusion_nft", "gdro"),
 }
 
 
@@ -266,8 +273,11 @@ def check_values(config: RunConfig, where: str = "config") -> None:
         ("train.ema_decay", 0 <= t.ema_decay < 1, "must be in [0, 1)"),
         ("train.rng_shards", t.rng_shards is None or t.rng_shards >= 1, "must be ≥ 1 (or null: one per process)"),
         ("sampling.num_steps", s.num_steps >= 2, "must be ≥ 2 (the last step is never trained)"),
-        ("sampling.eta", s.eta > 0 or config.method == "diffusion_nft",
-         "must be > 0 to train with log-probabilities (η = 0 is ODE sampling; diffusion_nft allows it)"),
+        ("sampling.eta", s.eta > 0 or config.method in ("diffusion_nft", "gdro"),
+         "must be > 0 to train with log-probabilities (η = 0 is ODE sampling; diffusion_nft and gdro allow it)"),
+        ("train.train_batch_size", config.method != "gdro" or t.train_batch_size % t.group_size == 0,
+         "must be a multiple of train.group_size for gdro (a minibatch holds whole groups)"),
+        ("train.gdro_tau", t.gdro_tau > 0, "must be > 0"),
         ("sampling.eta", s.eta >= 0, "must be ≥ 0"),
         ("train.nft_beta", t.nft_beta > 0, "must be > 0"),
         ("train.kl_beta", config.method != "dance_grpo" or t.kl_beta == 0,
@@ -276,7 +286,7 @@ def check_values(config: RunConfig, where: str = "config") -> None:
          "must be between 0 and group_size / 2"),
         ("train.per_reward_advantages", not (t.per_reward_advantages and t.per_prompt_stats),
          "cannot be combined with train.per_prompt_stats"),
-        ("train.nft_timesteps", 1 <= t.nft_timesteps <= s.num_steps, "must be between 1 and sampling.num_steps"),
+        ("train.noise_draws", 1 <= t.noise_draws <= s.num_steps, "must be between 1 and sampling.num_steps"),
         ("train.nft_old_decay_max", 0 <= t.nft_old_decay_max < 1, "must be in [0, 1)"),
         ("model.lora_rank", config.model.lora_rank >= 0, "must be ≥ 0 (0 = full fine-tuning)"),
     ]

@@ -44,6 +44,7 @@ from flowalign.config import ConfigError, RunConfig, check_values, to_dict
 from flowalign.grids import save_grid, side_by_side, to_pil_grid
 from flowalign.objectives.diffusion_nft import diffusion_nft_loss, old_policy_decay, optimality_probability
 from flowalign.objectives.flow_grpo import flow_grpo_loss
+from flowalign.objectives.gdro import gdro_loss
 from flowalign.prompts import load_prompts
 from flowalign.rollout import Trajectory, group_noise, rollout, transition
 from flowalign.samplers.steps import StepPlan, plan_steps
@@ -147,11 +148,13 @@ class Trainer:
         self.config = config
         t, s = config.train, config.sampling
         self.out = Path(config.output_dir)
-        self.nft = config.method == "diffusion_nft"
+        self.nft, self.gdro = config.method == "diffusion_nft", config.method == "gdro"
+        self.forward_process = self.nft or self.gdro  # trained on noised copies of final samples
+        self.offline: dict | None = None  # GDRO's pre-generated groups, read when training starts
         # backward passes per optimizer step: one per trained step of the rollout, or per noising
         # draw for DiffusionNFT (Accelerate's gradient accumulation, so DDP syncs and DeepSpeed
         # steps once, on the last of them)
-        accumulation = t.nft_timesteps if self.nft else int((plan_steps(
+        accumulation = t.noise_draws if self.forward_process else int((plan_steps(
             s.num_steps, 1, s.eta, s.step_mode, fraction=s.fraction, window_size=s.window_size,
             window_start=s.window_start, generator=torch.Generator()).noise_levels > 0).sum())
         self.accelerator = Accelerator(
@@ -253,6 +256,10 @@ class Trainer:
         """The whole run. SIGTERM / SIGINT at any time during it stop the run after the epoch in
         progress with a checkpoint (during the last epoch: the run just finishes)."""
         cfg, acc = self.config, self.accelerator
+        if self.gdro:
+            from flowalign.offline import load_groups
+
+            self.offline = load_groups(cfg.data.offline_groups, cfg.train.group_size)
         with GracefulStop() as stop:
             if cfg.resume:
                 self.resume(cfg.resume)
@@ -327,6 +334,8 @@ class Trainer:
         cfg, t, s = self.config, self.config.train, self.config.sampling
         groups = t.groups_per_epoch // len(self.shards)
         schedule = self.adapter.schedule(s.num_steps)
+        if self.offline is not None:
+            return self._offline_epoch(groups, schedule)
         # one plan for a shard's samples from the generator all processes share: every shard trains the same steps
         plan = plan_steps(s.num_steps, groups * t.group_size, s.eta, s.step_mode, fraction=s.fraction,
                           window_size=s.window_size, window_start=s.window_start, generator=self.plan_generator)
@@ -351,6 +360,27 @@ class Trainer:
         rewards, _ = combine_rewards(components, cfg.reward.weights)
         group_ids = torch.tensor([spec["group_id"] for spec in specs])
         return EpochBatch(traj, specs, rewards, components, group_ids)
+
+    def _offline_epoch(self, groups: int, schedule) -> EpochBatch:
+        """GDRO: each shard draws ``groups`` of the pre-generated groups (uniformly, with replacement,
+        from its prompt stream); nothing is sampled."""
+        data, k = self.offline, self.config.train.group_size
+        picks, specs = [], []
+        for shard, streams in zip(self.shards, self.streams):
+            chosen = torch.randint(len(data["specs"]), (groups,), generator=streams["prompts"]).tolist()
+            picks += chosen
+            specs += [{**data["specs"][g], "group_id": shard * groups + i} for i, g in enumerate(chosen) for _ in range(k)]
+        device = self.accelerator.device
+        index = torch.tensor(picks)
+        samples = data["samples"][index].flatten(0, 1).to(device)  # [groups·k, ...]
+        components = {name: values[index].flatten() for name, values in data["components"].items()}
+        cond = self.adapter.encode([data["specs"][g]["prompt"] for g in picks]).repeat_interleave(k)
+        steps = schedule.num_steps
+        traj = Trajectory(samples[:, None], torch.zeros(len(samples), 0, device=device),
+                          torch.zeros(len(samples), 0, dtype=torch.bool, device=device), torch.zeros(0),
+                          schedule.sigmas, schedule.timesteps[:steps], cond)
+        rewards, _ = combine_rewards(components, self.config.reward.weights)
+        return EpochBatch(traj, specs, rewards, components, torch.tensor([spec["group_id"] for spec in specs]))
 
     def _draw_groups(self, shard: int, streams: dict[str, torch.Generator], groups: int):
         """A shard's prompt groups: (specs, conditioning, initial noise), groups × group_size of each."""
@@ -434,7 +464,7 @@ class Trainer:
         valid = valid.all(dim=1) if valid.ndim == 2 else valid
         advantages = torch.nan_to_num(advantages, nan=0.0).to(device)
         # loss terms per minibatch: trained SDE steps, or DiffusionNFT's noising draws
-        steps = list(range(t.nft_timesteps)) if self.nft else \
+        steps = list(range(t.noise_draws)) if self.forward_process else \
             [j for j in range(len(traj.noise_levels)) if traj.noise_levels[j] > 0]
         if len(steps) != acc.gradient_accumulation_steps:  # the accumulation must close on each minibatch's last step
             raise RuntimeError(f"{len(steps)} trained steps, Accelerate accumulates {acc.gradient_accumulation_steps}")
@@ -444,8 +474,8 @@ class Trainer:
         count, skipped = 0, 0
         self.model.train()
         for _ in range(t.inner_epochs):
-            draws = self._nft_draws(traj) if self.nft else None
-            for idx in self._minibatches(len(batch.specs)):
+            draws = self._forward_draws(traj, t.group_size if self.gdro else 1) if self.forward_process else None
+            for idx in self._minibatches(len(batch.specs), t.group_size if self.gdro else 1):
                 sub, adv = traj[idx], advantages[idx]
                 step_totals, finite = {}, True
                 for j in steps:
@@ -453,6 +483,9 @@ class Trainer:
                         if self.nft:
                             loss, step_stats = self._nft_loss(sub, draws[0][idx, j], draws[1][idx, j], adv,
                                                               valid[idx])
+                        elif self.gdro:
+                            loss, step_stats = self._gdro_loss(sub, draws[0][idx, j], draws[1][idx, j],
+                                                               batch.rewards.to(device)[idx])
                         else:
                             loss, step_stats = self._step_loss(sub, j, adv, sub.trained[:, j] & valid[idx])
                         acc.backward(loss)  # Accelerate divides by the number of steps accumulated
@@ -481,13 +514,15 @@ class Trainer:
         means = self._across_processes(list(stats.values())).mean(dim=0).tolist()  # same keys on every process
         return dict(zip(stats, means))
 
-    def _minibatches(self, n: int) -> list[torch.Tensor]:
-        """Index sets [train_batch_size] of one inner epoch: each shard shuffles its own samples with
-        its own stream and minibatch k takes the k-th slice of every shard, so one process with S
-        shards trains on the minibatches S processes together train on."""
+    def _minibatches(self, n: int, unit: int = 1) -> list[torch.Tensor]:
+        """Index sets [train_batch_size] of one inner epoch: each shard shuffles its own samples
+        (in blocks of ``unit``: whole groups for GDRO) with its own stream and minibatch k takes the
+        k-th slice of every shard, so one process with S shards trains on the minibatches S
+        processes together train on."""
         shards, size = len(self.streams), self.config.train.train_batch_size // len(self.streams)
         per_shard = n // shards
-        order = torch.stack([torch.randperm(per_shard, generator=streams["shuffle"]) + k * per_shard
+        order = torch.stack([(torch.randperm(per_shard // unit, generator=streams["shuffle"])[:, None] * unit
+                              + torch.arange(unit)).flatten() + k * per_shard
                              for k, streams in enumerate(self.streams)])
         return [order[:, lo:lo + size].flatten().to(self.accelerator.device) for lo in range(0, per_shard, size)]
 
@@ -519,27 +554,52 @@ class Trainer:
         """[C] the configured reward weights, in the order of the per-reward advantage columns."""
         return torch.tensor(list(self.config.reward.weights.values()), dtype=torch.float32)
 
-    def _nft_draws(self, traj: Trajectory) -> tuple[torch.Tensor, torch.Tensor]:
-        """DiffusionNFT's noising draws for one inner epoch, from each shard's noise stream: schedule
-        indices long [B, K] (K distinct steps per sample) and noise [B, K, ...]."""
-        k, n_steps = self.config.train.nft_timesteps, len(traj.timesteps)
-        per_shard = len(traj.latents) // len(self.streams)
+    def _forward_draws(self, traj: Trajectory, share: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Noising draws (DiffusionNFT, GDRO) for one inner epoch, from each shard's noise stream:
+        schedule indices long [B, K] (K distinct steps per sample) and noise [B, K, ...]; ``share``
+        consecutive samples (a GDRO group) get the same draws."""
+        k, n_steps = self.config.train.noise_draws, len(traj.timesteps)
+        per_shard = len(traj.latents) // len(self.streams) // share
         indices, noise = [], []
         for streams in self.streams:
             g = streams["noise"]
             indices.append(torch.rand(per_shard, n_steps, generator=g).argsort(dim=1)[:, :k])
             noise.append(torch.randn(per_shard, k, *traj.samples.shape[1:], generator=g))
         device = self.accelerator.device
-        return torch.cat(indices).to(device), torch.cat(noise).to(device)
+        return (torch.cat(indices).repeat_interleave(share, dim=0).to(device),
+                torch.cat(noise).repeat_interleave(share, dim=0).to(device))
+
+    def _noised(self, sub: Trajectory, step: torch.Tensor, eps: torch.Tensor):
+        """x_t = (1 − σ)·x0 + σ·ε of each sample's final latent: (x0, x_t, σ [b], timestep [b])."""
+        device = sub.samples.device
+        sigma, timestep = sub.sigmas.to(device)[step], sub.timesteps.to(device)[step]
+        x0 = sub.samples
+        s = sigma.view(-1, *([1] * (x0.ndim - 1)))
+        return x0, (1 - s) * x0 + s * eps, sigma, timestep
+
+    def _gdro_loss(self, sub: Trajectory, step: torch.Tensor, eps: torch.Tensor, rewards: torch.Tensor):
+        """GDRO on one noising draw shared by each group: step long [b], eps [b, ...], rewards [b];
+        the b samples are whole groups in order. A group with a dropped (NaN) reward is left out."""
+        t = self.config.train
+        x0, x_t, _, timestep = self._noised(sub, step, eps)
+        target = (eps - x0).flatten(1)
+        with torch.no_grad(), self.adapter.reference():
+            mse_ref = ((self.adapter.predict(x_t, timestep, sub.cond, 1.0).float().flatten(1) - target) ** 2).mean(1)
+        v_theta = self.adapter.predict(x_t, timestep, sub.cond, 1.0, model=self.model)
+        mse_theta = ((v_theta.float().flatten(1) - target) ** 2).mean(1)
+        k = t.group_size
+        rewards = rewards.view(-1, k)
+        keep = torch.isfinite(rewards).all(dim=1)
+        if not keep.any():  # nothing to compare; a zero loss that still touches every weight
+            return (v_theta * 0).sum(), {"policy_loss": torch.zeros(())}
+        return gdro_loss(mse_theta.view(-1, k)[keep], mse_ref.view(-1, k)[keep], rewards[keep], beta=t.gdro_beta,
+                         tau=t.gdro_tau, gamma=t.gdro_gamma)
 
     def _nft_loss(self, sub: Trajectory, step: torch.Tensor, eps: torch.Tensor, adv: torch.Tensor,
                   weight: torch.Tensor):
         """DiffusionNFT on one noising draw per sample: step long [b] (schedule index), eps [b, ...]."""
         t = self.config.train
-        device = sub.samples.device
-        sigma, timestep = sub.sigmas.to(device)[step], sub.timesteps.to(device)[step]
-        x0 = sub.samples
-        x_t = (1 - sigma.view(-1, *([1] * (x0.ndim - 1)))) * x0 + sigma.view(-1, *([1] * (x0.ndim - 1))) * eps
+        x0, x_t, sigma, timestep = self._noised(sub, step, eps)
         with torch.no_grad():  # before v_θ's forward: swapping the old weights in later would break its graph
             with self.old.swapped_in():
                 v_old = self.adapter.predict(x_t, timestep, sub.cond, 1.0)

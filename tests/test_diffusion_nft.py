@@ -82,7 +82,7 @@ def test_old_policy_decay_ramps_then_holds():
     assert [old_policy_decay(e, 0.1, 0.25) for e in (0, 1, 2, 3, 10)] == [0.0, 0.1, 0.2, 0.25, 0.25]
 
 
-NFT = ("method=diffusion_nft", "sampling.eta=0.0", "train.nft_timesteps=2", "train.nft_old_decay_rate=0.2")
+NFT = ("method=diffusion_nft", "sampling.eta=0.0", "train.noise_draws=2", "train.nft_old_decay_rate=0.2")
 
 
 def test_nft_trains_samples_with_the_old_policy_and_resumes_exactly(tiny_sd3_dir, tmp_path):
