@@ -74,6 +74,7 @@ class RewardConfig:
 @dataclass
 class TrainConfig:
     epochs: int = 60
+    max_minutes: Optional[float] = None  # also stop (evaluated and saved as usual) after this much training time
     groups_per_epoch: int = 8  # prompts per epoch per process
     group_size: int = 8  # samples per prompt
     sample_batch_size: int = 32  # rollout chunk
@@ -120,6 +121,8 @@ class EvalConfig:
     batch_size: int = 64
     grid_prompts: int = 12
     grid_seeds: int = 4
+    # rewards scored at every evaluation but never optimised (a reward-hacking check), e.g. [jpeg_compressibility]
+    extra_rewards: list[str] = field(default_factory=list)
 
 
 @dataclass

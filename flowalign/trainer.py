@@ -173,6 +173,7 @@ class Trainer:
         self.prompt_weights = prompt_weights(self.train_specs, config.data.balance_tags)
         self.eval_specs = load_prompts(config.data.eval_prompts)
         self.reward = build_reward(config.reward.name, **config.reward.kwargs)
+        self.extra_rewards = [build_reward(name) for name in config.eval.extra_rewards]
         declared = getattr(self.reward, "components", ())
         unknown = sorted(set(config.reward.weights) - set(declared)) if declared else []
         if unknown:
@@ -279,6 +280,11 @@ class Trainer:
                 self.history.append(stats)
                 acc.log(stats, step=self.epoch)
                 bar.set_postfix(reward=f"{stats['reward/mean']:.3f}", clipfrac=f"{stats.get('train/clipfrac', 0):.2f}")
+                out_of_time = cfg.train.max_minutes is not None and bool(self._across_processes(
+                    [self._train_seconds() / 60 >= cfg.train.max_minutes]).any())
+                if out_of_time:
+                    bar.close()
+                    break
                 if cfg.eval.every and self.epoch % cfg.eval.every == 0 and self.epoch < cfg.train.epochs:
                     self.evals[f"epoch-{self.epoch}"] = self.evaluate(f"epoch-{self.epoch}")
                 saved = None
@@ -294,6 +300,9 @@ class Trainer:
             summary = self._write_outputs(time.time() - start)
         acc.end_training()
         return summary
+
+    def _train_seconds(self) -> float:
+        return sum(h.get("time/epoch_s", 0.0) for h in self.history)
 
     def _stopped(self, signal_name: str, checkpoint: Path) -> dict:
         """The summary of a run stopped by a signal: no final eval, no ``final/`` (the run is not done)."""
@@ -394,13 +403,13 @@ class Trainer:
         return specs, cond, noise
 
     @torch.no_grad()
-    def _score(self, latents: torch.Tensor, specs: list[dict], chunk: int = 64) -> dict[str, torch.Tensor]:
-        return _cat_components([self._reward_chunk(self.adapter.decode(latents[lo:lo + chunk]), specs[lo:lo + chunk])
-                                for lo in range(0, len(specs), chunk)])
+    def _score(self, latents: torch.Tensor, specs: list[dict], reward=None, chunk: int = 64) -> dict[str, torch.Tensor]:
+        return _cat_components([self._reward_chunk(self.adapter.decode(latents[lo:lo + chunk]), specs[lo:lo + chunk],
+                                                   reward) for lo in range(0, len(specs), chunk)])
 
-    def _reward_chunk(self, images: torch.Tensor, specs: list[dict]) -> dict[str, torch.Tensor]:
+    def _reward_chunk(self, images: torch.Tensor, specs: list[dict], reward=None) -> dict[str, torch.Tensor]:
         return {k: torch.as_tensor(v, dtype=torch.float32).cpu()
-                for k, v in self.reward(images, [p["prompt"] for p in specs], specs).items()}
+                for k, v in (reward or self.reward)(images, [p["prompt"] for p in specs], specs).items()}
 
     def compute_advantages(self, batch: EpochBatch) -> tuple[torch.Tensor, dict]:
         """Group-normalised advantages over every process's samples (a group lives on one shard, its
@@ -647,7 +656,12 @@ class Trainer:
             latents.append(traj.samples)
         latents = torch.cat(latents)
         components = self._score(latents, specs)
-        result = {"epoch": self.epoch, "samples": len(specs)}
+        for reward in self.extra_rewards:
+            components.update(self._score(latents, specs, reward))
+        t = self.config.train
+        result = {"epoch": self.epoch, "samples": len(specs), "train_seconds": self._train_seconds(),
+                  "train_samples": self.epoch * t.groups_per_epoch * t.group_size * self.accelerator.num_processes,
+                  "latent_diversity": latent_diversity(latents, e.seeds)}
         for name, values in components.items():
             result[name] = _nanmean(values)
             tags = sorted({spec.get("tag") for spec in specs if spec.get("tag")})
@@ -1013,6 +1027,17 @@ def prompt_weights(specs: list[dict], balance_tags: bool) -> torch.Tensor:
     tags = [spec.get("tag") for spec in specs]
     counts = {tag: tags.count(tag) for tag in set(tags)}
     return torch.tensor([1.0 / counts[tag] for tag in tags])
+
+
+def latent_diversity(latents: torch.Tensor, seeds: int) -> float:
+    """Mean over prompts of the mean pairwise RMS distance between the final latents of its
+    ``seeds`` samples (latents [P·seeds, ...], grouped by prompt). Collapse to one image per
+    prompt drives it to 0; it is a cheap, model-agnostic stand-in for perceptual diversity."""
+    if seeds < 2:
+        return float("nan")
+    x = latents.float().flatten(1).view(-1, seeds, latents[0].numel())
+    d = torch.cdist(x, x) / x.shape[-1] ** 0.5  # [P, seeds, seeds]
+    return (d.sum(dim=(1, 2)) / (seeds * (seeds - 1))).mean().item()
 
 
 def _nanmean(values: torch.Tensor) -> float:

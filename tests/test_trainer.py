@@ -158,3 +158,23 @@ def test_dance_grpo_options_train_only_the_extremes_with_one_advantage_per_rewar
     assert kept.sum() == 4  # the best and the worst of each of the two groups of 4
     trainer.train()
     assert math.isfinite(trainer.history[0]["train/policy_loss"])
+
+
+def test_latent_diversity_is_zero_for_identical_samples_and_the_rms_distance_otherwise():
+    from flowalign.trainer import latent_diversity
+
+    same = torch.ones(6, 2, 2)
+    assert latent_diversity(same, 3) == 0.0
+    pair = torch.stack([torch.zeros(4), torch.full((4,), 2.0)])  # one prompt, two seeds, RMS distance 2
+    assert latent_diversity(pair, 2) == pytest.approx(2.0)
+
+
+def test_time_budget_stops_the_run_and_extra_rewards_are_only_measured(tiny_sd3_dir, tmp_path):
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, "train.epochs=50", "train.max_minutes=0.0001",
+                                  "eval.extra_rewards=[jpeg_compressibility]", "eval.seeds=2"))
+    summary = trainer.train()
+    assert summary["epochs"] == 1  # the budget ran out after the first epoch; the run still ends normally
+    after = summary["after"]
+    assert "jpeg_compressibility" in after and after["train_samples"] == 8 and after["train_seconds"] > 0
+    assert after["latent_diversity"] > 0
+    assert "reward/jpeg_compressibility" not in trainer.history[0]
