@@ -1,0 +1,200 @@
+"""A pool of long-lived Stockfish processes shared by threads.
+
+Starting Stockfish costs ~0.1 s and a search of 10⁵ nodes costs ~0.2 s, so engines are started
+once and reused. ``size`` engines wait in a queue; ``pool.engine()`` checks one out for a
+sequence of searches (one puzzle's line: its searches share the hash table, and a fresh game id
+clears it at checkout, so a line's result depends only on the line, not on what the engine saw
+before). Searches are limited by nodes (deterministic with one thread) and capped in time.
+
+Faults: a search whose engine dies, or that runs ``grace`` seconds past its time cap (a hung
+engine), kills and restarts that engine and runs the search once more; when the retry fails
+too, ``EngineFailure`` is raised for the caller to score the position NaN. The pool itself
+stays usable either way.
+
+>>> import chess
+>>> with StockfishPool(size=1, limit=SearchLimit(nodes=20_000)) as pool:  # doctest: +SKIP
+...     infos = pool.analyse(chess.Board(), multipv=2)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import queue
+import shutil
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, TypeVar
+
+import chess
+import chess.engine
+
+DEFAULT_STOCKFISH = "/usr/games/stockfish"  # Debian/Ubuntu's package installs it off PATH
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def find_stockfish() -> str | None:
+    """$FLOWALIGN_STOCKFISH, else ``stockfish`` on PATH, else /usr/games/stockfish; None when none exists."""
+    for candidate in (os.environ.get("FLOWALIGN_STOCKFISH"), shutil.which("stockfish"), DEFAULT_STOCKFISH):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+@dataclass(frozen=True)
+class SearchLimit:
+    """One search's budget. ``nodes`` binds in normal operation (reproducible with Threads=1);
+    ``time`` (seconds) is a safety cap, and a search still running ``grace`` seconds after it
+    counts as a hung engine."""
+
+    nodes: int | None = 200_000
+    time: float = 10.0
+    depth: int | None = None
+
+    def to_engine(self) -> chess.engine.Limit:
+        if not self.time or self.time <= 0:
+            raise ValueError("SearchLimit.time must be > 0: it is what detects a hung engine")
+        return chess.engine.Limit(nodes=self.nodes, time=self.time, depth=self.depth)
+
+
+class EngineFailure(RuntimeError):
+    """A search failed twice (engine crashed or hung, was restarted, and failed again)."""
+
+
+# What a dead or hung engine raises through python-chess (asyncio.TimeoutError is TimeoutError since
+# 3.11). A search on an engine killed between two searches is cancelled when its event loop shuts down.
+_ENGINE_ERRORS = (chess.engine.EngineError, chess.engine.EngineTerminatedError, asyncio.TimeoutError,
+                  TimeoutError, concurrent.futures.TimeoutError, concurrent.futures.CancelledError,
+                  asyncio.CancelledError, BrokenPipeError, ConnectionError)
+
+
+class EngineHandle:
+    """One checked-out engine. ``analyse`` restarts it and retries once on a crash or hang."""
+
+    def __init__(self, pool: "StockfishPool", slot: int):
+        self._pool, self.slot = pool, slot
+        self._game = object()  # new game id → python-chess sends ucinewgame before the first search
+
+    @property
+    def pid(self) -> int:
+        return self._pool._engines[self.slot].transport.get_pid()
+
+    def analyse(self, board: chess.Board, multipv: int = 1, limit: SearchLimit | None = None) -> list[dict]:
+        """Search ``board``. Returns python-chess InfoDicts, best line first (``len ≤ multipv``:
+        fewer when there are fewer legal moves), each with "score" (PovScore) and "pv"."""
+        engine_limit = (limit or self._pool.limit).to_engine()
+        info = chess.engine.INFO_SCORE | chess.engine.INFO_PV
+        error: BaseException | None = None
+        for _ in range(2):
+            engine = self._pool._engines[self.slot]
+            try:
+                return engine.analyse(board, engine_limit, multipv=multipv, game=self._game, info=info)
+            except _ENGINE_ERRORS as exc:
+                error = exc
+                try:
+                    self._pool._restart(self.slot)
+                except Exception as restart_error:  # binary gone, pool closed, …: still a failed search
+                    raise EngineFailure(f"Stockfish failed ({exc!r}) and could not be restarted: "
+                                        f"{restart_error}") from restart_error
+                self._game = object()
+        raise EngineFailure(f"Stockfish failed twice on {board.fen()} "
+                            f"({type(error).__name__}: {error or 'no message'}); engine restarted")
+
+
+class StockfishPool:
+    """``size`` Stockfish processes, each with ``threads`` search threads and ``hash_mb`` of hash.
+
+    Thread-safe: any number of threads may call ``engine()`` / ``analyse()`` / ``map()``; each
+    engine serves one checkout at a time. Close with ``close()`` or a ``with`` block.
+    """
+
+    def __init__(self, size: int = 1, limit: SearchLimit = SearchLimit(), path: str | None = None,
+                 threads: int = 1, hash_mb: int = 16, grace: float = 5.0):
+        if size < 1:
+            raise ValueError(f"StockfishPool size must be ≥ 1, got {size}")
+        self.path = path or find_stockfish()
+        if self.path is None:
+            raise FileNotFoundError(f"no Stockfish binary: install it (apt-get install stockfish puts it at "
+                                    f"{DEFAULT_STOCKFISH}) or set $FLOWALIGN_STOCKFISH")
+        self.size, self.limit, self.grace = size, limit, grace
+        self._options = {"Threads": threads, "Hash": hash_mb}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._engines: list[chess.engine.SimpleEngine] = []
+        try:
+            for _ in range(size):
+                self._engines.append(self._start())
+        except BaseException:
+            self.close()
+            raise
+        self._free: queue.Queue[int] = queue.Queue()
+        for slot in range(size):
+            self._free.put(slot)
+
+    def _start(self) -> chess.engine.SimpleEngine:
+        # timeout: python-chess waits limit.time + timeout for a search before raising TimeoutError
+        engine = chess.engine.SimpleEngine.popen_uci(self.path, timeout=self.grace)
+        try:
+            engine.configure(self._options)
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+    def _restart(self, slot: int) -> None:
+        with self._lock:
+            if self._closed:
+                raise EngineFailure("StockfishPool was closed while a search was running")
+            self._engines[slot].close()  # closes the transport, which kills the process (a hung one too)
+            self._engines[slot] = self._start()
+
+    def pids(self) -> list[int]:
+        """Process ids of the current engines, by slot (they change when an engine is restarted)."""
+        with self._lock:
+            return [e.transport.get_pid() for e in self._engines]
+
+    @contextmanager
+    def engine(self) -> Iterator[EngineHandle]:
+        """Check out one engine for a sequence of searches (blocks until one is free)."""
+        if self._closed:
+            raise RuntimeError("StockfishPool is closed")
+        slot = self._free.get()
+        try:
+            yield EngineHandle(self, slot)
+        finally:
+            self._free.put(slot)
+
+    def analyse(self, board: chess.Board, multipv: int = 1, limit: SearchLimit | None = None) -> list[dict]:
+        """One search on any free engine (see ``EngineHandle.analyse``)."""
+        with self.engine() as handle:
+            return handle.analyse(board, multipv, limit)
+
+    def map(self, fn: Callable[[EngineHandle, T], R], items: Iterable[T]) -> list[R]:
+        """``[fn(handle, item) for item in items]``, spread over the pool's engines, in order."""
+        items = list(items)
+
+        def run(item):
+            with self.engine() as handle:
+                return fn(handle, item)
+
+        if self.size == 1 or len(items) <= 1:
+            return [run(item) for item in items]
+        with concurrent.futures.ThreadPoolExecutor(self.size, thread_name_prefix="stockfish-pool") as ex:
+            return list(ex.map(run, items))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for engine in self._engines:
+                engine.close()
+
+    def __enter__(self) -> "StockfishPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
