@@ -68,6 +68,19 @@ def ode_step(v: torch.Tensor, x: torch.Tensor, sigma, sigma_next) -> torch.Tenso
     return x32 + dt * v.float()
 
 
+def _step_inputs(v, x, sigma, sigma_next, eta):
+    """float32 x, v [B, ...]; σ, σ' as [B, 1, ...]; η as [B, 1, ...] or, per element, x's shape."""
+    x32, v32 = x.float(), v.float()
+    eta = torch.as_tensor(eta, dtype=torch.float32, device=x.device)
+    eta = eta if eta.shape == x.shape else _per_sample(eta, x32)
+    return x32, v32, _per_sample(sigma, x32), _per_sample(sigma_next, x32), eta
+
+
+def _check_one_of(noise, prev_sample) -> None:
+    if (noise is None) == (prev_sample is None):
+        raise ValueError("give exactly one of noise (to sample) or prev_sample (to score)")
+
+
 def flow_grpo_sde_step(
     v: torch.Tensor,
     x: torch.Tensor,
@@ -89,10 +102,7 @@ def flow_grpo_sde_step(
     schedule's σ_1). Requires σ' > 0 and η > 0: the last step is an ``ode_step``.
     """
     _check_one_of(noise, prev_sample)
-    x32, v32 = x.float(), v.float()
-    s, s_next = _per_sample(sigma, x32), _per_sample(sigma_next, x32)
-    eta = torch.as_tensor(eta, dtype=torch.float32, device=x.device)
-    eta = eta if eta.shape == x.shape else _per_sample(eta, x32)
+    x32, v32, s, s_next, eta = _step_inputs(v, x, sigma, sigma_next, eta)
     denom_sigma = torch.where(s >= 1, torch.full_like(s, sigma_fallback if sigma_fallback is not None else 0.0), s)
     if sigma_fallback is None and bool((s >= 1).any()):
         raise ValueError("σ = 1 needs sigma_fallback (the schedule's next σ) to keep 1 − σ > 0")
@@ -103,11 +113,6 @@ def flow_grpo_sde_step(
     if prev_sample is None:
         prev_sample = mean + std * noise.float()
     return StepOutput(prev_sample.float(), mean, std, gaussian_log_prob(prev_sample, mean, std, reduction))
-
-
-def _check_one_of(noise, prev_sample) -> None:
-    if (noise is None) == (prev_sample is None):
-        raise ValueError("give exactly one of noise (to sample) or prev_sample (to score)")
 
 
 def cps_step(
@@ -132,10 +137,7 @@ def cps_step(
     are not ours). Requires σ' > 0 and η > 0: the last step is an ``ode_step``.
     """
     _check_one_of(noise, prev_sample)
-    x32, v32 = x.float(), v.float()
-    s, s_next = _per_sample(sigma, x32), _per_sample(sigma_next, x32)
-    eta = torch.as_tensor(eta, dtype=torch.float32, device=x.device)
-    eta = eta if eta.shape == x.shape else _per_sample(eta, x32)
+    x32, v32, s, s_next, eta = _step_inputs(v, x, sigma, sigma_next, eta)
     std = s_next * torch.sin(eta * math.pi / 2)
     x0_hat, eps_hat = x32 - s * v32, x32 + (1 - s) * v32
     mean = (1 - s_next) * x0_hat + torch.sqrt((s_next**2 - std**2).clamp(min=0)) * eps_hat
@@ -163,10 +165,7 @@ def dance_grpo_sde_step(
     drift correction under a flat noise schedule (``sigma_fallback`` is unused).
     """
     _check_one_of(noise, prev_sample)
-    x32, v32 = x.float(), v.float()
-    s, s_next = _per_sample(sigma, x32), _per_sample(sigma_next, x32)
-    eta = torch.as_tensor(eta, dtype=torch.float32, device=x.device)
-    eta = eta if eta.shape == x.shape else _per_sample(eta, x32)
+    x32, v32, s, s_next, eta = _step_inputs(v, x, sigma, sigma_next, eta)
     dt = s_next - s
     score = -(x32 - (1 - s) * (x32 - s * v32)) / s**2
     mean = x32 + v32 * dt - 0.5 * eta**2 * score * dt
