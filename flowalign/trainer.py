@@ -152,7 +152,7 @@ class Trainer:
         self.forward_process = self.nft or self.gdro  # trained on noised copies of final samples
         self.offline: dict | None = None  # GDRO's pre-generated groups, read when training starts
         # backward passes per optimizer step: one per trained step of the rollout, or per noising
-        # draw for DiffusionNFT (Accelerate's gradient accumulation, so DDP syncs and DeepSpeed
+        # draw for DiffusionNFT and GDRO (Accelerate's gradient accumulation, so DDP syncs and DeepSpeed
         # steps once, on the last of them)
         accumulation = t.noise_draws if self.forward_process else int((plan_steps(
             s.num_steps, 1, s.eta, s.step_mode, fraction=s.fraction, window_size=s.window_size,
@@ -384,10 +384,9 @@ class Trainer:
         samples = data["samples"][index].flatten(0, 1).to(device)  # [groups·k, ...]
         components = {name: values[index].flatten() for name, values in data["components"].items()}
         cond = self.adapter.encode([data["specs"][g]["prompt"] for g in picks]).repeat_interleave(k)
-        steps = schedule.num_steps
         traj = Trajectory(samples[:, None], torch.zeros(len(samples), 0, device=device),
                           torch.zeros(len(samples), 0, dtype=torch.bool, device=device), torch.zeros(0),
-                          schedule.sigmas, schedule.timesteps[:steps], cond)
+                          schedule.sigmas, schedule.timesteps, cond)
         rewards, _ = combine_rewards(components, self.config.reward.weights)
         return EpochBatch(traj, specs, rewards, components, torch.tensor([spec["group_id"] for spec in specs]))
 
@@ -431,6 +430,7 @@ class Trainer:
         stats["reward/std"] = rewards[valid].std(unbiased=False).item() if valid.any() else float("nan")
         stats["reward/dropped_nan"] = int((~valid).sum())
         n = len(batch.specs)
+        mine = slice(acc.process_index * n, (acc.process_index + 1) * n)  # this process's part of the gathered batch
         if self.trackers is not None:
             size = n // len(self.trackers)
             local = torch.cat([tracker.update([spec["prompt"] for spec in batch.specs[k * size:(k + 1) * size]],
@@ -444,18 +444,14 @@ class Trainer:
             for column in columns:
                 adv, adv_stats = group_advantages(column, group_ids, global_std=t.global_std, clip=t.advantage_clip)
                 advs.append(adv)
-            local = (torch.stack(advs, dim=1) if t.per_reward_advantages else advs[0])[acc.process_index * n:
-                                                                                       (acc.process_index + 1) * n]
+            local = (torch.stack(advs, dim=1) if t.per_reward_advantages else advs[0])[mine]
             stats.update({f"adv/{k}": v for k, v in adv_stats.items()})
         drop = ~torch.isfinite(batch.rewards)
         if t.keep_extremes:
-            drop |= ~extremes_mask(rewards, group_ids, t.keep_extremes)[acc.process_index * n:
-                                                                       (acc.process_index + 1) * n]
+            drop |= ~extremes_mask(rewards, group_ids, t.keep_extremes)[mine]
         nonfinite = ~torch.isfinite(local)  # e.g. rewards so large that their mean overflows
-        if local.ndim == 2:
-            nonfinite, drop = nonfinite.any(dim=1), drop[:, None]
-        local = torch.where(nonfinite[:, None] if local.ndim == 2 else nonfinite, float("nan"), local)
-        local = torch.where(drop, float("nan"), local)
+        nonfinite = nonfinite.any(dim=1) if local.ndim == 2 else nonfinite
+        local = torch.where((nonfinite | drop).view(-1, *([1] * (local.ndim - 1))), float("nan"), local)
         every = self._across_processes([float(nonfinite.sum()), torch.nan_to_num(local).abs().mean().item()])
         stats["adv/nonfinite"] = int(every[:, 0].sum())
         stats["adv/abs_mean"] = every[:, 1].mean().item()
@@ -472,7 +468,7 @@ class Trainer:
         valid = torch.isfinite(advantages).to(device)
         valid = valid.all(dim=1) if valid.ndim == 2 else valid
         advantages = torch.nan_to_num(advantages, nan=0.0).to(device)
-        # loss terms per minibatch: trained SDE steps, or DiffusionNFT's noising draws
+        # loss terms per minibatch: trained stochastic steps, or the noising draws of NFT and GDRO
         steps = list(range(t.noise_draws)) if self.forward_process else \
             [j for j in range(len(traj.noise_levels)) if traj.noise_levels[j] > 0]
         if len(steps) != acc.gradient_accumulation_steps:  # the accumulation must close on each minibatch's last step
