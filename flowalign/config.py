@@ -115,6 +115,15 @@ class TrainConfig:
 
 
 @dataclass
+class ExploreConfig:
+    # EXPLORENET (flowalign/explorenet.py): off | shape (learned per-element std, total fixed) |
+    # magnitude (learned per-step scale only: the ablation) | both
+    mode: str = "off"
+    learning_rate: float = 1e-3
+    hidden: int = 32
+
+
+@dataclass
 class EvalConfig:
     every: int = 10  # epochs; 0 = only before and after
     seeds: int = 4  # samples per held-out prompt
@@ -139,6 +148,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    explore: ExploreConfig = field(default_factory=ExploreConfig)
 
 
 CHOICES = {
@@ -146,6 +156,7 @@ CHOICES = {
     "model.attention": ("sdpa", "xformers"),
     "sampling.step_mode": ("all", "fraction", "window"),
     "sampling.sde": ("flow_grpo", "cps", "dance_grpo"),
+    "explore.mode": ("off", "shape", "magnitude", "both"),
     "sampling.log_prob_reduction": ("mean", "sum"),
     "train.mixed_precision": ("no", "fp16", "bf16"),
     "tracker": ("tensorboard", "wandb", "none"),
@@ -281,6 +292,8 @@ def check_values(config: RunConfig, where: str = "config") -> None:
         ("train.train_batch_size", config.method != "gdro" or t.train_batch_size % t.group_size == 0,
          "must be a multiple of train.group_size for gdro (a minibatch holds whole groups)"),
         ("train.gdro_tau", t.gdro_tau > 0, "must be > 0"),
+        ("explore.mode", config.explore.mode == "off" or config.method in ("flow_grpo", "dance_grpo"),
+         "needs a method that trains on SDE log-probabilities (flow_grpo, dance_grpo)"),
         ("sampling.eta", s.eta >= 0, "must be ≥ 0"),
         ("train.nft_beta", t.nft_beta > 0, "must be > 0"),
         ("train.kl_beta", config.method != "dance_grpo" or t.kl_beta == 0,

@@ -17,12 +17,18 @@ from flowalign.samplers.steps import StepPlan
 from pipelines.base import Conditioning, Schedule
 
 
+def _select(tensor: torch.Tensor | None, index):
+    return None if tensor is None else tensor[index]
+
+
 @dataclass
 class Trajectory:
     """latents: float32 [B, S + 1, ...] (x_0 is the initial noise, x_S the sample);
     log_probs: [B, S] (0 at ODE steps); trained: bool [B, S]; noise_levels: η per step [S];
     sigmas [S + 1], timesteps [S] as in the schedule; cond: the conditioning used;
-    alphas_cumprod, alphas_cumprod_prev [S]: the schedule's ᾱ's (DDIM rollouts only, else None)."""
+    alphas_cumprod, alphas_cumprod_prev [S]: the schedule's ᾱ's (DDIM rollouts only, else None);
+    std_scales, step_noise [B, S, ...]: the exploration multiplier each step sampled with and its
+    standard-normal draw (rollouts with a ``noise_scale``, else None; 1 and 0 at deterministic steps)."""
 
     latents: torch.Tensor
     log_probs: torch.Tensor
@@ -33,19 +39,25 @@ class Trajectory:
     cond: Conditioning
     alphas_cumprod: torch.Tensor | None = None
     alphas_cumprod_prev: torch.Tensor | None = None
+    std_scales: torch.Tensor | None = None
+    step_noise: torch.Tensor | None = None
 
     def __getitem__(self, index) -> "Trajectory":
         """Select samples; the per-step schedule tensors are shared."""
         return Trajectory(self.latents[index], self.log_probs[index], self.trained[index], self.noise_levels,
                           self.sigmas, self.timesteps, self.cond[index], self.alphas_cumprod,
-                          self.alphas_cumprod_prev)
+                          self.alphas_cumprod_prev, _select(self.std_scales, index), _select(self.step_noise, index))
 
     @staticmethod
     def cat(parts: list["Trajectory"]) -> "Trajectory":
         first = parts[0]
-        return Trajectory(torch.cat([p.latents for p in parts]), torch.cat([p.log_probs for p in parts]),
-                          torch.cat([p.trained for p in parts]), first.noise_levels, first.sigmas, first.timesteps,
-                          Conditioning.cat([p.cond for p in parts]), first.alphas_cumprod, first.alphas_cumprod_prev)
+
+        def join(name: str):
+            return None if getattr(first, name) is None else torch.cat([getattr(p, name) for p in parts])
+
+        return Trajectory(join("latents"), join("log_probs"), join("trained"), first.noise_levels, first.sigmas,
+                          first.timesteps, Conditioning.cat([p.cond for p in parts]), first.alphas_cumprod,
+                          first.alphas_cumprod_prev, join("std_scales"), join("step_noise"))
 
     @property
     def schedule(self) -> Schedule:
@@ -58,13 +70,16 @@ class Trajectory:
 
 
 def transition(adapter, x, step: int, schedule: Schedule, eta, cond, guidance_scale, *, sde: str = "flow_grpo",
-               noise=None, prev_sample=None, reduction="mean", model=None) -> StepOutput:
+               noise=None, prev_sample=None, reduction="mean", model=None, std_scale=None) -> StepOutput:
     """One step from x at ``step``: sample with ``noise``, score ``prev_sample``, or (η = 0)
     neither. ε-prediction adapters (``adapter.prediction == "epsilon"``) take the DDIM step, whose
     parameterisation and x̂0 clipping are the adapter's; velocity models take the ``sde`` step
-    of ``FLOW_SDE_STEPS`` (flow_grpo | cps | dance_grpo), or the Euler step at η = 0."""
+    of ``FLOW_SDE_STEPS`` (flow_grpo | cps | dance_grpo), or the Euler step at η = 0.
+    ``std_scale`` [B, ...]: a per-element multiplier of the SDE std (EXPLORENET; flow SDEs only)."""
     out = adapter.predict(x, schedule.timesteps[step], cond, guidance_scale, model=model)
     if getattr(adapter, "prediction", "velocity") == "epsilon":
+        if std_scale is not None:
+            raise ValueError("a per-element exploration std is defined for the flow SDEs, not for DDIM")
         return ddim_step(out, x, schedule.alphas_cumprod[step], schedule.alphas_cumprod_prev[step], eta,
                          prediction_type=adapter.prediction_type, clip_sample_range=adapter.clip_sample_range,
                          noise=noise, prev_sample=prev_sample, reduction=reduction)
@@ -73,37 +88,44 @@ def transition(adapter, x, step: int, schedule: Schedule, eta, cond, guidance_sc
         x_next = ode_step(out, x, sigmas[step], sigmas[step + 1])
         return StepOutput(x_next, x_next, torch.zeros(()), torch.zeros(x.shape[0], device=x.device))
     return FLOW_SDE_STEPS[sde](out, x, sigmas[step], sigmas[step + 1], eta, noise=noise, prev_sample=prev_sample,
-                               sigma_fallback=float(sigmas[1]), reduction=reduction)
+                               sigma_fallback=float(sigmas[1]), reduction=reduction, std_scale=std_scale)
 
 
 @torch.no_grad()
 def rollout(adapter, cond: Conditioning, noise: torch.Tensor, schedule: Schedule, plan: StepPlan, *,
             guidance_scale: float = 1.0, generator: torch.Generator | None = None, sde: str = "flow_grpo",
-            reduction: str = "mean") -> Trajectory:
+            reduction: str = "mean", noise_scale=None) -> Trajectory:
     """Sample from ``noise`` [B, ...] with a stochastic step where ``plan.noise_levels`` > 0 (the
     ``sde`` of a velocity model, DDIM for an ε-prediction one) and a deterministic step elsewhere
     (log-prob 0 there). Step noise is drawn from ``generator`` (on its device, then moved), one
     [B, ...] draw per stochastic step, in the order diffusers' pipelines draw it: with η = 0 a
     velocity model reproduces the pipeline, and a DDIM rollout with the same generator reproduces
-    ``pipe(..., eta=η)``."""
+    ``pipe(..., eta=η)``. ``noise_scale(x, step) → m [B, ...]`` (EXPLORENET) sets each stochastic
+    step's per-element std multiplier; the trajectory keeps m and the draws for rescoring."""
     steps = schedule.num_steps
     if len(plan.noise_levels) != steps:
         raise ValueError(f"plan has {len(plan.noise_levels)} steps, schedule {steps}")
     if getattr(adapter, "prediction", "velocity") == "epsilon" and schedule.alphas_cumprod is None:
         raise ValueError("an ε-prediction rollout needs a schedule with alphas_cumprod (the adapter's)")
     x = noise.float()
-    latents, log_probs = [x], torch.zeros(x.shape[0], steps)
+    latents, log_probs, scales, draws = [x], torch.zeros(x.shape[0], steps), [], []
     for i in range(steps):
         eta = float(plan.noise_levels[i])
-        eps = None
+        eps, m = None, None
         if eta > 0:
             eps = torch.randn(x.shape, generator=generator, device=generator.device if generator else "cpu").to(x.device)
-        out = transition(adapter, x, i, schedule, eta, cond, guidance_scale, sde=sde, noise=eps, reduction=reduction)
+            m = noise_scale(x, i) if noise_scale is not None else None
+        if noise_scale is not None:
+            scales.append(torch.ones_like(x) if m is None else m.float())
+            draws.append(torch.zeros_like(x) if eps is None else eps)
+        out = transition(adapter, x, i, schedule, eta, cond, guidance_scale, sde=sde, noise=eps, reduction=reduction,
+                         std_scale=m)
         x, log_probs[:, i] = out.prev_sample, out.log_prob.cpu()
         latents.append(x)
     return Trajectory(torch.stack(latents, dim=1), log_probs.to(x.device), plan.trained.to(x.device),
                       plan.noise_levels, schedule.sigmas, schedule.timesteps, cond, schedule.alphas_cumprod,
-                      schedule.alphas_cumprod_prev)
+                      schedule.alphas_cumprod_prev, torch.stack(scales, dim=1) if scales else None,
+                      torch.stack(draws, dim=1) if draws else None)
 
 
 def group_noise(adapter, groups: int, group_size: int, generator: torch.Generator, shared: bool) -> torch.Tensor:

@@ -212,6 +212,26 @@ class Trainer:
         self.epoch = 0
         self.history: list[dict] = []
         self.evals: dict[str, dict] = {}
+        self.explorer, self.explorer_optimizer = self._build_explorer()
+
+    def _build_explorer(self):
+        """EXPLORENET and its optimizer when ``explore.mode`` is on (same initial weights on every
+        process: seeded by the run's seed; its gradients are averaged over processes)."""
+        e, s = self.config.explore, self.config.sampling
+        if e.mode == "off":
+            return None, None
+        from flowalign.explorenet import ExploreNet
+
+        if getattr(self.adapter, "prediction", "velocity") != "velocity":
+            raise ConfigError("config: explore.mode needs a flow model (its SDE steps); DDIM has no exploration net")
+        shape = self.adapter.initial_noise(1, torch.Generator().manual_seed(0)).shape
+        if len(shape) != 4:
+            raise ConfigError(f"config: explore.mode supports image latents [B, C, h, w], this model has {tuple(shape)}")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.config.train.seed + 1)
+            net = ExploreNet(shape[1], _prompt_vector(self.adapter.encode([""])).shape[-1], s.num_steps, e.mode,
+                             e.hidden).to(self.accelerator.device)
+        return net, torch.optim.Adam(net.parameters(), lr=e.learning_rate)
 
     def _check_backend(self, accumulation: int) -> None:
         """FSDP and DeepSpeed: settings the loop needs (untested here: no GPU, docs/distributed.md)."""
@@ -322,6 +342,8 @@ class Trainer:
         with self._full_params(), self._old_policy():
             batch = self.sample_epoch()
         advantages, stats = self.compute_advantages(batch)
+        if self.explorer is not None:  # before the generator moves: its rollouts are the explorer's on-policy data
+            stats.update(self.update_explorer(batch))
         stats.update(self.update_policy(batch, advantages))
         if self.old is not None:
             t = self.config.train
@@ -358,7 +380,8 @@ class Trainer:
                     sl = slice(lo, lo + t.sample_batch_size)
                     part = rollout(self.adapter, cond[sl], noise[sl], schedule,
                                    StepPlan(plan.noise_levels, plan.trained[sl]), guidance_scale=s.guidance_scale,
-                                   generator=streams["noise"], sde=s.sde, reduction=s.log_prob_reduction)
+                                   generator=streams["noise"], sde=s.sde, reduction=s.log_prob_reduction,
+                                   noise_scale=self._noise_scale(cond[sl]))
                     parts.append(part)
                     images = self.adapter.decode(part.samples)
                     scored.append(pool.submit(self._reward_chunk, images, shard_specs[sl]) if t.async_reward
@@ -369,6 +392,45 @@ class Trainer:
         rewards, _ = combine_rewards(components, cfg.reward.weights)
         group_ids = torch.tensor([spec["group_id"] for spec in specs])
         return EpochBatch(traj, specs, rewards, components, group_ids)
+
+    def _noise_scale(self, cond):
+        """The rollout's per-element std multiplier from EXPLORENET (None: isotropic)."""
+        if self.explorer is None:
+            return None
+        prompts = _prompt_vector(cond)
+        return lambda x, step: self.explorer(x, step, prompts)
+
+    def update_explorer(self, batch: EpochBatch) -> dict:
+        """One step of EXPLORENET on this epoch's rollouts (estimator: flowalign/explorenet.py):
+        ascend Σ_groups (U_g − mean U of the other groups)·Σ_i Σ_k log q_φ(x'_ik | x_ik)."""
+        from flowalign.explorenet import exploration_log_density, group_spread_advantages
+
+        acc, traj = self.accelerator, batch.traj
+        weights, stats = group_spread_advantages(acc.gather(batch.rewards.to(acc.device)).cpu(),
+                                                 acc.gather(batch.group_ids.to(acc.device)).cpu())
+        n = len(batch.specs)
+        weights = weights[acc.process_index * n:(acc.process_index + 1) * n].to(acc.device)
+        prompts = _prompt_vector(traj.cond)
+        self.explorer.train()
+        self.explorer_optimizer.zero_grad(set_to_none=True)
+        steps = [j for j in range(len(traj.noise_levels)) if traj.noise_levels[j] > 0]
+        spreads = []
+        for j in steps:
+            w = traj.std_scales[:, j] * traj.step_noise[:, j]  # (x' − μ) / isotropic std
+            m = self.explorer(traj.latents[:, j], j, prompts)
+            loss = -(weights * exploration_log_density(w, m)).sum() / max(n, 1) / len(steps)
+            loss.backward()
+            spreads.append(m.detach().flatten(1).std(1).mean().item())
+        for p in self.explorer.parameters():
+            if p.grad is not None and acc.num_processes > 1:
+                p.grad = acc.reduce(p.grad, "mean")
+        self.explorer_optimizer.step()
+        self.explorer.eval()
+        stats["explore/m_std"] = sum(spreads) / max(len(spreads), 1)  # 0 = isotropic
+        return stats
+
+    def _explorer_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().contiguous() for k, v in self.explorer.state_dict().items()}
 
     def _offline_epoch(self, groups: int, schedule) -> EpochBatch:
         """GDRO: each shard draws ``groups`` of the pre-generated groups (uniformly, with replacement,
@@ -542,14 +604,16 @@ class Trainer:
         x, x_next = sub.latents[:, j], sub.latents[:, j + 1]
         eta = float(sub.noise_levels[j])
         args = (self.adapter, x, j, sub.schedule, eta, sub.cond, s.guidance_scale)
-        out = transition(*args, sde=s.sde, prev_sample=x_next, reduction=s.log_prob_reduction, model=self.model)
+        scale = None if sub.std_scales is None else sub.std_scales[:, j]  # the std each sample was drawn with
+        out = transition(*args, sde=s.sde, prev_sample=x_next, reduction=s.log_prob_reduction, model=self.model,
+                         std_scale=scale)
         ref_mean = None
         if t.kl_beta > 0:
             # under FSDP a LoRA's reference (adapters off) must run through the wrapper that holds the shards
             fsdp_lora = self.accelerator.distributed_type == DistributedType.FSDP and self.config.model.lora_rank > 0
             with torch.no_grad(), self.adapter.reference():
                 ref_mean = transition(*args, sde=s.sde, prev_sample=x_next, reduction=s.log_prob_reduction,
-                                      model=self.model if fsdp_lora else None).mean
+                                      model=self.model if fsdp_lora else None, std_scale=scale).mean
         return flow_grpo_loss(out.log_prob, sub.log_probs[:, j], adv, clip_range=t.clip_range, beta=t.kl_beta,
                               mean=out.mean, ref_mean=ref_mean, std=out.std, weight=weight,
                               reduction=s.log_prob_reduction,
@@ -656,8 +720,9 @@ class Trainer:
             components.update(self._score(latents, specs, reward))
         t = self.config.train
         result = {"epoch": self.epoch, "samples": len(specs), "train_seconds": self._train_seconds(),
-                  "train_samples": self.epoch * t.groups_per_epoch * t.group_size * self.accelerator.num_processes,
-                  "latent_diversity": latent_diversity(latents, e.seeds)}
+                  "train_samples": self.epoch * t.groups_per_epoch * t.group_size * self.accelerator.num_processes}
+        if e.seeds > 1:
+            result["latent_diversity"] = latent_diversity(latents, e.seeds)
         for name, values in components.items():
             result[name] = _nanmean(values)
             tags = sorted({spec.get("tag") for spec in specs if spec.get("tag")})
@@ -744,6 +809,9 @@ class Trainer:
             save_file(self.ema.state_dict(), folder / "ema.safetensors")
         if self.old is not None:
             save_file(self.old.state_dict(), folder / "old.safetensors")
+        if self.explorer is not None:  # apart from the generator: policy/ and final/ never need it
+            save_file(self._explorer_state(), folder / "explorenet.safetensors")
+            _torch_save(self.explorer_optimizer.state_dict(), folder / "explorenet_optimizer.pt")
         with self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext():
             self.adapter.save_trained(folder / "policy")  # what grid/eval load, like final/
         state = {"epoch": self.epoch, "history": self.history, "evals": self.evals,
@@ -841,7 +909,9 @@ class Trainer:
                         else state.get("stat_tracker") or {} for s in self.shards]
         return {"state": state, "trained": trained, "optimizer": optimizer, "rng": rng, "trackers": trackers,
                 "ema": _read_safetensors(path / "ema.safetensors") if self.ema is not None else None,
-                "old": _read_safetensors(path / "old.safetensors") if self.old is not None else None}
+                "old": _read_safetensors(path / "old.safetensors") if self.old is not None else None,
+                "explorer": (_read_safetensors(path / "explorenet.safetensors"),
+                             _read_torch(path / "explorenet_optimizer.pt")) if self.explorer is not None else None}
 
     def _apply_checkpoint(self, loaded: dict) -> None:
         with self._full_params(writeback=True):
@@ -851,6 +921,9 @@ class Trainer:
             self.ema.load_state_dict(loaded["ema"])
         if self.old is not None:
             self.old.load_state_dict(loaded["old"])
+        if self.explorer is not None:
+            self.explorer.load_state_dict(loaded["explorer"][0])
+            self.explorer_optimizer.load_state_dict(loaded["explorer"][1])
         for streams, states in zip(self.streams, loaded["rng"]):
             for name, g in streams.items():
                 g.set_state(states[name])
@@ -869,6 +942,10 @@ class Trainer:
             if acc.is_main_process:
                 with self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext():
                     self.adapter.save_trained(self.out / "final")
+                if self.explorer is not None:  # kept for inspection; sampling from final/ never needs it
+                    (self.out / "explorenet").mkdir(exist_ok=True)
+                    save_file(self._explorer_state(), self.out / "explorenet" / "explorenet.safetensors")
+                    (self.out / "explorenet" / "config.json").write_text(json.dumps(to_dict(self.config.explore)))
             acc.wait_for_everyone()
         if acc.is_main_process:
             before, after = summary["before"], summary["after"]
@@ -1025,12 +1102,16 @@ def prompt_weights(specs: list[dict], balance_tags: bool) -> torch.Tensor:
     return torch.tensor([1.0 / counts[tag] for tag in tags])
 
 
+def _prompt_vector(cond) -> torch.Tensor:
+    """[B, P] one vector per prompt for EXPLORENET: the pooled embedding, else the mean token embedding."""
+    tensors = cond.tensors
+    return (tensors["pooled"] if "pooled" in tensors else tensors["embeds"].mean(dim=1)).float()
+
+
 def latent_diversity(latents: torch.Tensor, seeds: int) -> float:
     """Mean over prompts of the mean pairwise RMS distance between the final latents of its
     ``seeds`` samples (latents [P·seeds, ...], grouped by prompt). Collapse to one image per
     prompt drives it to 0; it is a cheap, model-agnostic stand-in for perceptual diversity."""
-    if seeds < 2:
-        return float("nan")
     x = latents.float().flatten(1).view(-1, seeds, latents[0].numel())
     d = torch.cdist(x, x) / x.shape[-1] ** 0.5  # [P, seeds, seeds]
     return (d.sum(dim=(1, 2)) / (seeds * (seeds - 1))).mean().item()

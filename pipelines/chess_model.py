@@ -103,7 +103,8 @@ class ChessDiffusionModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         self.head = nn.Linear(dim, vocab_size)
         self.register_buffer("allowed", tokenizer.allowed_token_mask(), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, themes: torch.Tensor, mask_ratio: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, themes: torch.Tensor,
+                mask_ratio: torch.Tensor | None = None) -> torch.Tensor:
         """tokens long [B, L]; themes float [B, T] multi-hot; mask_ratio float [B] (default: the
         fraction of ``MASK_ID`` in ``tokens``). Returns logits float32 [B, L, V], −inf where
         ``allowed_token_mask`` is False."""

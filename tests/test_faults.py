@@ -53,7 +53,8 @@ def assert_same_run(out, reference_out):
     got, want = (torch.load(f / last / "optimizer.pt", weights_only=True)["state"] for f in (out, reference_out))
     assert all(torch.equal(got[i][k], want[i][k]) for i in want for k in want[i])
     metrics = [json.loads((f / "metrics.json").read_text())["after"] for f in (out, reference_out)]
-    assert metrics[0] == metrics[1]
+    assert [{k: v for k, v in m.items() if k != "train_seconds"} for m in metrics] == \
+        [{k: v for k, v in metrics[1].items() if k != "train_seconds"}] * 2  # wall-clock time differs
 
 
 def test_killed_at_random_moments_the_run_resumes_to_the_same_result(reference, tmp_path):

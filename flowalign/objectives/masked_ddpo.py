@@ -24,23 +24,25 @@ import torch
 from flowalign.samplers.unmasking import score_step
 
 
-def _log_pi(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return torch.log_softmax(logits.float() / temperature, dim=-1)
+def _probs_and_finite_log_probs(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(π, log π with 0 at disallowed tokens). Zeroing *before* any product keeps 0·(−∞) out of
+    both the value and the gradient (a ``where`` after the product still back-propagates NaN)."""
+    log_p = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return log_p.exp(), torch.where(torch.isfinite(log_p), log_p, torch.zeros_like(log_p))
 
 
 def categorical_kl(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """KL(π ‖ π_ref) per position. logits, ref_logits: [B, L, V] (−inf = disallowed, the same
     tokens in both); returns [B, L] (0·log 0 taken as 0)."""
-    log_p, log_q = _log_pi(logits, temperature), _log_pi(ref_logits, temperature)
-    terms = log_p.exp() * (log_p - log_q)
-    return torch.where(torch.isfinite(log_p), terms, torch.zeros_like(terms)).sum(-1)
+    p, log_p = _probs_and_finite_log_probs(logits, temperature)
+    _, log_q = _probs_and_finite_log_probs(ref_logits, temperature)
+    return (p * (log_p - log_q)).sum(-1)
 
 
 def categorical_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """H(π) per position. logits: [B, L, V] → [B, L] (0·log 0 taken as 0)."""
-    log_p = _log_pi(logits, temperature)
-    terms = -log_p.exp() * log_p
-    return torch.where(torch.isfinite(log_p), terms, torch.zeros_like(terms)).sum(-1)
+    p, log_p = _probs_and_finite_log_probs(logits, temperature)
+    return -(p * log_p).sum(-1)
 
 
 def masked_ddpo_loss(
@@ -104,7 +106,7 @@ def leave_one_out_advantages(
     (population, ddof 0) std + eps, clipped to ±clip.
 
     rewards: [B] (NaN = dropped: advantage 0, left out of every statistic); group_ids: [B].
-    A group with fewer than two valid samples gets 0. Note r_i − mean_{j≠i} r_j =
+    A group with fewer than two valid samples gets 0 (and counts as a zero-spread group). Note r_i − mean_{j≠i} r_j =
     G/(G − 1)·(r_i − mean_group): the GRPO advantage scaled by G/(G − 1), unbiased because the
     baseline does not contain r_i. Returns (advantages [B], stats: groups, zero_spread_groups).
     """
@@ -114,11 +116,14 @@ def leave_one_out_advantages(
     for gid in torch.unique(group_ids[valid]):
         members = valid & (group_ids == gid)
         r = rewards[members].float()
+        std = r.std(unbiased=False)
         n_groups += 1
+        zero_spread += int(std.item() < 1e-8)  # a lone sample counts too: it teaches nothing
         if len(r) < 2:
             continue
         baseline = (r.sum() - r) / (len(r) - 1)
-        std = r.std(unbiased=False)
-        zero_spread += int(std.item() < 1e-8)
-        adv[members] = (r - baseline) / (std + eps) if scale_by_std else r - baseline
+        if not scale_by_std:
+            adv[members] = r - baseline
+        elif std + eps > 0:  # a constant group (r_i = baseline) stays 0 even with eps = 0
+            adv[members] = (r - baseline) / (std + eps)
     return adv.clamp(-clip, clip), {"groups": float(n_groups), "zero_spread_groups": zero_spread / max(n_groups, 1)}

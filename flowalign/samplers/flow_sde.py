@@ -92,6 +92,7 @@ def flow_grpo_sde_step(
     prev_sample: torch.Tensor | None = None,
     sigma_fallback: float | None = None,
     reduction: str = "mean",
+    std_scale: torch.Tensor | None = None,
 ) -> StepOutput:
     """One Flow-GRPO SDE transition and the log-density of its result.
 
@@ -99,7 +100,8 @@ def flow_grpo_sde_step(
     per-element std multiplier of x's shape, for learned exploration noise). Give ``noise``
     ([B, ...], standard normal) to sample x' = μ + std·noise, or ``prev_sample`` to score a given
     x'. ``sigma_fallback`` replaces σ in the denominator 1 − σ where σ = 1 (Flow-GRPO uses the
-    schedule's σ_1). Requires σ' > 0 and η > 0: the last step is an ``ode_step``.
+    schedule's σ_1). ``std_scale`` ([B, ...], > 0) multiplies the std element-wise and leaves
+    the mean as it is (EXPLORENET). Requires σ' > 0 and η > 0: the last step is an ``ode_step``.
     """
     _check_one_of(noise, prev_sample)
     x32, v32, s, s_next, eta = _step_inputs(v, x, sigma, sigma_next, eta)
@@ -110,6 +112,8 @@ def flow_grpo_sde_step(
     sigma_t = eta * torch.sqrt(s / (1 - denom_sigma))
     mean = x32 + v32 * dt + sigma_t**2 / (2 * s) * (x32 + (1 - s) * v32) * dt
     std = sigma_t * torch.sqrt(-dt)
+    if std_scale is not None:  # a learned per-element exploration std (EXPLORENET); the mean is unchanged
+        std = std * std_scale.float()
     if prev_sample is None:
         prev_sample = mean + std * noise.float()
     return StepOutput(prev_sample.float(), mean, std, gaussian_log_prob(prev_sample, mean, std, reduction))
@@ -126,6 +130,7 @@ def cps_step(
     prev_sample: torch.Tensor | None = None,
     sigma_fallback: float | None = None,
     reduction: str = "mean",
+    std_scale: torch.Tensor | None = None,
 ) -> StepOutput:
     """Coefficient-preserving sampling: x' = (1 − σ')·x̂0 + sqrt(σ'² − σ_t²)·ε̂ + σ_t·z with
     σ_t = σ'·sin(η·π/2), x̂0 = x − σ·v and ε̂ = x + (1 − σ)·v. The noise and the predicted ε̂
@@ -141,6 +146,8 @@ def cps_step(
     std = s_next * torch.sin(eta * math.pi / 2)
     x0_hat, eps_hat = x32 - s * v32, x32 + (1 - s) * v32
     mean = (1 - s_next) * x0_hat + torch.sqrt((s_next**2 - std**2).clamp(min=0)) * eps_hat
+    if std_scale is not None:  # a learned per-element exploration std (EXPLORENET); the mean is unchanged
+        std = std * std_scale.float()
     if prev_sample is None:
         prev_sample = mean + std * noise.float()
     return StepOutput(prev_sample.float(), mean, std, gaussian_log_prob(prev_sample, mean, std, reduction))
@@ -157,6 +164,7 @@ def dance_grpo_sde_step(
     prev_sample: torch.Tensor | None = None,
     sigma_fallback: float | None = None,
     reduction: str = "mean",
+    std_scale: torch.Tensor | None = None,
 ) -> StepOutput:
     """DanceGRPO's SDE: a constant diffusion coefficient η, std = η·sqrt(σ − σ'), and
     μ = x + v·dt − ½·η²·score·dt with score = −(x − (1 − σ)·x̂0) / σ² = −ε̂ / σ (η ≈ 0.3).
@@ -170,6 +178,8 @@ def dance_grpo_sde_step(
     score = -(x32 - (1 - s) * (x32 - s * v32)) / s**2
     mean = x32 + v32 * dt - 0.5 * eta**2 * score * dt
     std = eta * torch.sqrt(-dt)
+    if std_scale is not None:  # a learned per-element exploration std (EXPLORENET); the mean is unchanged
+        std = std * std_scale.float()
     if prev_sample is None:
         prev_sample = mean + std * noise.float()
     return StepOutput(prev_sample.float(), mean, std, gaussian_log_prob(prev_sample, mean, std, reduction))

@@ -1,0 +1,133 @@
+"""Measure a chess masked-diffusion model on its held-out theme requests: the RL baseline.
+
+    OMP_NUM_THREADS=1 python scripts/measure_chess_model.py --out pipelines/demo_models/chess-md/baseline.json
+
+For each request in ``<model>/split.json`` (written by ``scripts/pretrain_chess.py``), sample
+``--per-request`` boards (seeded: request k uses seed ``--seed`` + k) and report, per request and
+over all of them:
+
+- ``legal``: fraction passing ``reward_models.chess.legality``; ``move_legal``: fraction whose own
+  best-move tokens are a legal move of their (legal) board (the auxiliary task's sanity);
+- with the ``chess_puzzle`` reward (Stockfish; skipped with ``--no-engine`` or when no engine is
+  installed): ``unique``, ``theme_match``, ``theme_score``, ``yield`` (legal ∧ unique ∧
+  theme-matching) and ``best_move`` (the sample's own move tokens name the engine's first move),
+  each the mean over samples (NaN = engine failure, left out and counted in ``engine_failed``);
+- diversity: ``distinct`` (distinct boards / samples, board = the first four FEN fields) and
+  ``board_distance`` (mean over pairs of samples of one request of the fraction of the 64
+  squares that differ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import chess
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flowalign.chess import tokenizer  # noqa: E402
+from pipelines.base import resolve_model_path  # noqa: E402
+from pipelines.chess import ChessPuzzlePipeline  # noqa: E402
+from reward_models.chess.legality import is_legal  # noqa: E402
+
+REWARD_KEYS = ("unique", "theme_match", "theme_score", "yield", "best_move")
+
+
+def diversity(tokens: torch.Tensor) -> dict[str, float]:
+    """tokens [N, L] → distinct-board fraction and mean pairwise fraction of differing squares."""
+    boards = {tuple(row[:tokenizer.BOARD_LEN]) for row in tokens.tolist()}
+    squares = tokens[:, tokenizer.SQUARES]
+    pairs = list(itertools.combinations(range(len(tokens)), 2))
+    distance = sum((squares[i] != squares[j]).float().mean().item() for i, j in pairs) / max(len(pairs), 1)
+    return {"distinct": len(boards) / len(tokens), "board_distance": distance}
+
+
+def move_is_legal(fen: str, move: str | None) -> bool:
+    if move is None or not is_legal(fen):
+        return False
+    return chess.Move.from_uci(move) in chess.Board(fen).legal_moves
+
+
+def nanmean(values: list[float]) -> float | None:
+    finite = [v for v in values if not math.isnan(v)]
+    return sum(finite) / len(finite) if finite else None
+
+
+def summarise(rows: list[dict], tokens: torch.Tensor) -> dict:
+    out = {"samples": len(rows), **{k: nanmean([r[k] for r in rows]) for k in ("legal", "move_legal")},
+           **diversity(tokens)}
+    if "unique" in rows[0]:
+        out.update({k: nanmean([r[k] for r in rows]) for k in REWARD_KEYS})
+        out["engine_failed"] = sum(math.isnan(r["unique"]) for r in rows)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="chess-md")
+    parser.add_argument("--out", default=None, help="JSON file (default: <model>/baseline.json)")
+    parser.add_argument("--per-request", type=int, default=16)
+    parser.add_argument("--num-steps", type=int, default=16)
+    parser.add_argument("--schedule", default="cosine")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--guidance-scale", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-engine", action="store_true", help="legality and diversity only")
+    parser.add_argument("--nodes", type=int, default=100_000, help="Stockfish nodes per search (the reward's default)")
+    parser.add_argument("--engines", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    start = time.time()
+    folder = Path(resolve_model_path(args.model))
+    requests = json.loads((folder / "split.json").read_text())["requests"]
+    pipe = ChessPuzzlePipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+
+    reward = None
+    if not args.no_engine:
+        from reward_models.chess.engine import find_stockfish
+        from reward_models.chess.reward import ChessPuzzleReward
+
+        if find_stockfish() is None:
+            print("no Stockfish found: measuring legality and diversity only", flush=True)
+        else:
+            reward = ChessPuzzleReward(engines=args.engines, nodes=args.nodes)
+
+    per_request, all_rows, all_tokens = [], [], []
+    for k, request in enumerate(requests):
+        out = pipe([request] * args.per_request, num_steps=args.num_steps, schedule=args.schedule,
+                   temperature=args.temperature, guidance_scale=args.guidance_scale,
+                   generator=torch.Generator().manual_seed(args.seed + k))
+        rows = [{"legal": float(is_legal(fen)), "move_legal": float(move_is_legal(fen, move))}
+                for fen, move in zip(out.fens, out.moves)]
+        if reward is not None:
+            scores = reward(out.tokens, [" ".join(request)] * len(rows), [{"themes": request}] * len(rows))
+            for i, row in enumerate(rows):
+                row.update({key: float(scores[key][i]) for key in REWARD_KEYS})
+        per_request.append({"request": request, **summarise(rows, out.tokens), "examples": out.fens[:3]})
+        all_rows += rows
+        all_tokens.append(out.tokens)
+        print(json.dumps({key: v for key, v in per_request[-1].items() if key != "examples"}), flush=True)
+    if reward is not None:
+        reward.close()
+
+    overall = summarise(all_rows, torch.cat(all_tokens))
+    overall["distinct"] = sum(r["distinct"] for r in per_request) / len(per_request)  # within a request
+    overall["board_distance"] = sum(r["board_distance"] for r in per_request) / len(per_request)
+    result = {"model": str(folder), "requests": len(requests), "settings": vars(args), "overall": overall,
+              "engine": reward is not None, "minutes": (time.time() - start) / 60, "per_request": per_request}
+    out_path = Path(args.out) if args.out else folder / "baseline.json"
+    out_path.write_text(json.dumps(result, indent=1))
+    print(json.dumps({"overall": overall, "minutes": result["minutes"]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
