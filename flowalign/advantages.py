@@ -45,22 +45,25 @@ def group_advantages(
     rewards: [B] (NaN = dropped sample: its advantage is 0 and it is left out of every
     statistic); group_ids: [B]. ``global_std``: divide by the std over the whole batch instead of
     the group's (Flow-GRPO's ``global_std``). Std is the population std (ddof 0). Returns
-    (advantages [B], stats) with the fraction of groups whose rewards do not vary.
+    (advantages [B], stats) with the fraction of groups whose rewards do not vary and the mean
+    within-group std.
     """
     valid = torch.isfinite(rewards)
     adv = torch.zeros_like(rewards, dtype=torch.float32)
     batch_std = rewards[valid].float().std(unbiased=False) if valid.any() else torch.tensor(0.0)
-    zero_spread, n_groups = 0, 0
+    zero_spread, n_groups, std_sum = 0, 0, 0.0
     for gid in torch.unique(group_ids[valid]):
         members = valid & (group_ids == gid)
         r = rewards[members].float()
         std = r.std(unbiased=False)
         n_groups += 1
         zero_spread += int(std.item() < 1e-8)
+        std_sum += std.item()
         scale = (batch_std if global_std else std) + eps
         adv[members] = (r - r.mean()) / scale if scale > 0 else 0.0  # a constant group teaches nothing
     adv = adv.clamp(-clip, clip)
-    return adv, {"zero_spread_groups": zero_spread / max(n_groups, 1), "groups": float(n_groups)}
+    return adv, {"zero_spread_groups": zero_spread / max(n_groups, 1), "group_std": std_sum / max(n_groups, 1),
+                 "groups": float(n_groups)}
 
 
 def extremes_mask(rewards: torch.Tensor, group_ids: torch.Tensor, keep: int) -> torch.Tensor:
