@@ -2,7 +2,8 @@
 
 from pipelines.base import Adapter, Conditioning, ModelNotFoundError, Schedule, resolve_model_path
 
-FAMILIES = {"sd3": "pipelines.sd3:SD3Adapter", "sd": "pipelines.sd:SDAdapter", "sdxl": "pipelines.sdxl:SDXLAdapter"}
+FAMILIES = {"sd3": "pipelines.sd3:SD3Adapter", "sd": "pipelines.sd:SDAdapter", "sdxl": "pipelines.sdxl:SDXLAdapter",
+            "flux": "pipelines.flux:FluxAdapter", "wan": "pipelines.wan:WanAdapter"}
 FAMILIES["chess"] = "pipelines.chess:ChessAdapter"  # masked discrete diffusion (prediction "logits")
 
 

@@ -4,7 +4,9 @@ fine-tuning, the reference policy and saving.
 
 A family subclasses ``DenoiserAdapter``, names its pipeline class and the pipeline attribute of
 its denoiser (``model_folder``: "transformer", "unet"; also the folder a fully fine-tuned model
-is saved to), and writes ``encode``, ``negative``, ``schedule``, ``predict`` and ``decode``.
+is saved to), and writes ``encode``, ``negative``, ``schedule`` and ``predict``; where its
+pipeline differs from the image default it overrides ``default_size``, ``latent_shape``,
+``vae_latents`` or ``decode``.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pipelines.base import Conditioning, ModelNotFoundError, disabled_lora, load_with_hub_fallback
+from pipelines.base import Conditioning, ModelNotFoundError, Schedule, disabled_lora, load_with_hub_fallback
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"  # what save_lora_weights writes
+# the attention projections of joint (MMDiT) attention, image and text streams: SD3's and FLUX's
+JOINT_ATTENTION_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
+                                "to_add_out")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -49,7 +54,7 @@ class DenoiserAdapter:
 
     Attributes: ``pipe`` the diffusers pipeline; ``model`` its denoiser, unwrapped (peft and
     saving act on it); ``denoiser`` what forward passes call by default (the reference context
-    may swap it); ``height``/``width`` of the images, by default the model's sample size.
+    may swap it); ``height``/``width`` of the images, by default ``default_size()``.
     """
 
     pipeline_class: type
@@ -63,10 +68,9 @@ class DenoiserAdapter:
         self.device = torch.device(device)
         self.model: nn.Module = getattr(pipe, self.model_folder)
         self.denoiser: nn.Module = self.model  # the trainer may pass its wrapped module as ``model=``
-        size = self.model.config.sample_size
-        size_h, size_w = (size, size) if isinstance(size, int) else size
-        self.height = height or size_h * pipe.vae_scale_factor
-        self.width = width or size_w * pipe.vae_scale_factor
+        default_height, default_width = self.default_size()
+        self.height = height or default_height
+        self.width = width or default_width
         self.lora = False
         self._frozen_reference: nn.Module | None = None
         self._negative: Conditioning | None = None
@@ -96,14 +100,27 @@ class DenoiserAdapter:
         return cls(pipe, device=device, **kwargs)
 
     # -- sampling ------------------------------------------------------------------------
+    def default_size(self) -> tuple[int, int]:
+        """(height, width) in pixels when none is given: the denoiser's sample size, as the pipeline's default."""
+        size = self.model.config.sample_size
+        size_h, size_w = (size, size) if isinstance(size, int) else size
+        return size_h * self.pipe.vae_scale_factor, size_w * self.pipe.vae_scale_factor
+
     def latent_shape(self) -> tuple[int, ...]:
+        """The shape of one sample's latent x, without the batch: (C, h, w) by default."""
         f = self.pipe.vae_scale_factor
         return (self.model.config.in_channels, self.height // f, self.width // f)
 
     def initial_noise(self, batch: int, generator: torch.Generator) -> torch.Tensor:
-        """Standard normal [B, C, h, w], drawn as the pipeline draws it from the same generator."""
+        """Standard normal [B, *latent_shape()], drawn as the pipeline draws it from the same generator."""
         return torch.randn((batch, *self.latent_shape()), generator=generator, device=generator.device,
                            dtype=torch.float32).to(self.device)
+
+    def flow_schedule(self, num_steps: int, **set_timesteps_kwargs) -> Schedule:
+        """The σ's [S + 1] and timesteps [S] that ``self.scheduler`` (a ``FlowMatchEulerDiscreteScheduler``)
+        sets for ``num_steps`` with the pipeline's ``set_timesteps`` arguments (``mu``, ``sigmas``)."""
+        self.scheduler.set_timesteps(num_steps, device=self.device, **set_timesteps_kwargs)
+        return Schedule(sigmas=self.scheduler.sigmas.float().clone(), timesteps=self.scheduler.timesteps.clone())
 
     def negative(self) -> Conditioning:
         """The unconditional branch of CFG [1, ...], as the pipeline makes it (cached)."""
@@ -118,6 +135,14 @@ class DenoiserAdapter:
         tensors = {k: torch.cat([negative[k].expand(len(v), *v.shape[1:]), v]) for k, v in cond.tensors.items()}
         return torch.cat([x, x]), tensors
 
+    def batch_timesteps(self, t, batch: int) -> torch.Tensor:
+        """t (scalar, or [B] per sample) as [batch] on the adapter's device; a per-sample t is
+        repeated for the two halves of a CFG batch (batch = 2B)."""
+        t = torch.as_tensor(t, device=self.device)
+        if t.ndim == 1 and 0 < len(t) < batch:
+            t = t.repeat(batch // len(t))
+        return t.expand(batch)
+
     @staticmethod
     def guide(output: torch.Tensor, guidance_scale: float) -> torch.Tensor:
         """[2B, ...] → uncond + g·(cond − uncond) [B, ...]; unchanged without CFG."""
@@ -125,6 +150,39 @@ class DenoiserAdapter:
             return output
         uncond, text = output.chunk(2)
         return uncond + guidance_scale * (text - uncond)
+
+    # -- decoding ------------------------------------------------------------------------
+    def vae_latents(self, x0: torch.Tensor) -> torch.Tensor:
+        """What the pipeline hands its VAE decoder: x0 / scaling_factor, + shift_factor where the VAE
+        config has one (SD3, FLUX)."""
+        config = self.pipe.vae.config
+        latents = x0 / config.scaling_factor
+        shift = getattr(config, "shift_factor", None)
+        return latents if shift is None else latents + shift
+
+    @torch.no_grad()
+    def decode(self, x0: torch.Tensor) -> torch.Tensor:
+        """Latents [B, C, h, w] → images float [B, 3, H, W] in [0, 1] (the pipeline's "pt" output,
+        without any safety checker)."""
+        vae = self.pipe.vae
+        images = vae.decode(self.vae_latents(x0).to(vae.dtype), return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    def enable_vae_tiling(self, **tile_sizes) -> None:
+        """Decode in overlapping spatial tiles: less memory for large samples; pixels near tile seams
+        differ slightly from an untiled decode. ``tile_sizes``: the VAE's ``enable_tiling`` arguments
+        (``AutoencoderKLWan``: tile_sample_min_height, …; ``AutoencoderKL`` takes none)."""
+        self._vae_switch("enable_tiling", **tile_sizes)
+
+    def enable_vae_slicing(self) -> None:
+        """Decode one sample of a batch at a time: less memory, the same output."""
+        self._vae_switch("enable_slicing")
+
+    def _vae_switch(self, name: str, **kwargs) -> None:
+        vae = self.pipe.vae
+        if not hasattr(vae, name):
+            raise ValueError(f"{type(vae).__name__} has no {name}(): this VAE cannot decode that way")
+        getattr(vae, name)(**kwargs)
 
     # -- training ------------------------------------------------------------------------
     def add_lora(self, rank: int, alpha: float | None = None, targets: tuple[str, ...] | list[str] | None = None,

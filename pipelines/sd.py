@@ -1,5 +1,5 @@
 """Adapter for Stable Diffusion 1.x / 2.x (``StableDiffusionPipeline``); the UNet family's common
-part (DDIM schedule, CFG, decoding) is ``pipelines/unet.py``.
+part (DDIM schedule, CFG, predict) is ``pipelines/unet.py``.
 
 Conditioning: {"embeds": [B, L, D]}, the text encoder's last hidden states, as the pipeline
 encodes them; its negative is the empty prompt's. The safety checker is not loaded: the reward

@@ -17,9 +17,10 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import c
 from torch import nn
 
 from pipelines.base import Conditioning, Schedule
-from pipelines.denoiser import DTYPES, LORA_WEIGHTS_NAME, DenoiserAdapter  # noqa: F401 (re-exported)
+from pipelines.denoiser import DTYPES, LORA_WEIGHTS_NAME  # noqa: F401 (re-exported)
+from pipelines.denoiser import JOINT_ATTENTION_LORA_TARGETS, DenoiserAdapter
 
-LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
 
 
 def _without_t5(path: str) -> bool:
@@ -32,8 +33,8 @@ def _without_t5(path: str) -> bool:
 
 
 class SD3Adapter(DenoiserAdapter):
-    """A ``StableDiffusion3Pipeline`` as the RL core sees it (loading, noise, LoRA, reference and
-    saving: ``DenoiserAdapter``).
+    """A ``StableDiffusion3Pipeline`` as the RL core sees it (loading, noise, LoRA, reference,
+    decoding and saving: ``DenoiserAdapter``).
 
     ``max_sequence_length``: T5 tokens; when the pipeline has no T5 encoder its slot is zeros and
     one token is enough (the built-in demo model was trained that way), else 256 as in SD3.
@@ -81,8 +82,7 @@ class SD3Adapter(DenoiserAdapter):
             kwargs["mu"] = calculate_shift((h // patch) * (w // patch), config.get("base_image_seq_len", 256),
                                            config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
                                            config.get("max_shift", 1.16))
-        self.scheduler.set_timesteps(num_steps, device=self.device, **kwargs)
-        return Schedule(sigmas=self.scheduler.sigmas.float().clone(), timesteps=self.scheduler.timesteps.clone())
+        return self.flow_schedule(num_steps, **kwargs)
 
     def predict(self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance_scale: float = 1.0,
                 model: nn.Module | None = None) -> torch.Tensor:
@@ -90,15 +90,7 @@ class SD3Adapter(DenoiserAdapter):
         model = self.denoiser if model is None else model
         dtype = self.model.dtype
         x, tensors = self.guidance_inputs(x, cond, guidance_scale)
-        t = torch.as_tensor(t, device=self.device).expand(x.shape[0])
+        t = self.batch_timesteps(t, x.shape[0])
         v = model(hidden_states=x.to(dtype), timestep=t, encoder_hidden_states=tensors["embeds"].to(dtype),
                   pooled_projections=tensors["pooled"].to(dtype), return_dict=False)[0]
         return self.guide(v, guidance_scale)
-
-    @torch.no_grad()
-    def decode(self, x0: torch.Tensor) -> torch.Tensor:
-        """Latents [B, C, h, w] → images float [B, 3, H, W] in [0, 1] (the pipeline's "pt" output)."""
-        vae = self.pipe.vae
-        latents = x0 / vae.config.scaling_factor + vae.config.shift_factor
-        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)

@@ -1,5 +1,5 @@
 """Adapter for Stable Diffusion XL (``StableDiffusionXLPipeline``); the UNet family's common part
-(DDIM schedule, CFG, decoding) is ``pipelines/unet.py``.
+(DDIM schedule, CFG, predict) is ``pipelines/unet.py``.
 
 Conditioning: {"embeds": [B, L, D1 + D2] (both encoders' penultimate hidden states),
 "pooled": [B, P] (the second encoder's projection, the UNet's ``text_embeds``), "time_ids":

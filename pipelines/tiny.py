@@ -10,7 +10,16 @@ model is one of these, trained). The parts are the real classes a user's checkpo
   SD1.5's betas; no safety checker;
 * SDXL: ``UNet2DConditionModel`` with the "text_time" added embedding, ``AutoencoderKL``,
   ``CLIPTextModel`` + ``CLIPTextModelWithProjection``, ``EulerDiscreteScheduler`` (what SDXL
-  ships; the adapter samples with DDIM from its config).
+  ships; the adapter samples with DDIM from its config);
+* FLUX.1: ``FluxTransformer2DModel``, ``AutoencoderKL`` (16 channels, FLUX's scaling and shift
+  factors), ``CLIPTextModel`` + ``CLIPTokenizer``, ``T5EncoderModel`` + ``T5TokenizerFast``,
+  ``FlowMatchEulerDiscreteScheduler`` configured as FLUX.1-dev's (guidance embedding, dynamic
+  shifting) or FLUX.1-schnell's (neither);
+* Wan 2.1: ``WanTransformer3DModel``, ``AutoencoderKLWan``, ``UMT5EncoderModel`` +
+  ``T5TokenizerFast``, ``UniPCMultistepScheduler`` with flow sigmas (what Wan ships).
+
+T5 tokenizers are Unigram models over the caption words (``build_t5_tokenizer``), not
+sentencepiece files: the pipelines only call them, and they save and load as real ones.
 """
 
 from __future__ import annotations
@@ -19,11 +28,13 @@ import json
 from dataclasses import dataclass
 
 import torch
-from diffusers import (AutoencoderKL, DDIMScheduler, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler,
-                       SD3Transformer2DModel, StableDiffusion3Pipeline, StableDiffusionPipeline,
-                       StableDiffusionXLPipeline, UNet2DConditionModel)
+from diffusers import (AutoencoderKL, AutoencoderKLWan, DDIMScheduler, EulerDiscreteScheduler,
+                       FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel, SD3Transformer2DModel,
+                       StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline,
+                       UNet2DConditionModel, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel)
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, T5Config,
+                          T5EncoderModel, T5TokenizerFast, UMT5Config, UMT5EncoderModel)
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 
@@ -46,6 +57,15 @@ def build_clip_tokenizer(words: list[str], max_length: int = 16) -> CLIPTokenize
     return CLIPTokenizer(vocab=bpe.get_vocab(), merges=merges, model_max_length=max_length)
 
 
+def build_t5_tokenizer(words: list[str]) -> T5TokenizerFast:
+    """A real T5 tokenizer (Unigram, T5's ``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2, no sentinels) in which
+    every word in ``words`` is one token; any other lowercase word tokenizes letter by letter."""
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    vocab += [("▁" + w, -1.0) for w in sorted(set(words))]
+    vocab += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789"]
+    return T5TokenizerFast(vocab=vocab, extra_ids=0)
+
+
 @dataclass
 class TinySD3Sizes:
     """Sizes of a small SD3 pipeline. Defaults are test-sized (fast on one CPU core)."""
@@ -64,7 +84,7 @@ class TinySD3Sizes:
     scheduler_shift: float = 1.0
 
 
-def _clip_config(tokenizer: CLIPTokenizer, sizes: TinySD3Sizes | TinyUNetSizes) -> CLIPTextConfig:
+def _clip_config(tokenizer: CLIPTokenizer, sizes) -> CLIPTextConfig:
     """A CLIP text encoder's config for ``tokenizer``'s vocabulary (a new one per encoder)."""
     vocab = tokenizer.get_vocab()
     return CLIPTextConfig(
@@ -171,3 +191,93 @@ def build_tiny_sdxl_pipeline(words: list[str], sizes: TinyUNetSizes = TinyUNetSi
         text_encoder_2=CLIPTextModelWithProjection(_clip_config(tokenizer, sizes)), tokenizer_2=tokenizer,
         unet=unet, scheduler=scheduler, add_watermarker=False,
     )
+
+
+@dataclass
+class TinyFluxSizes:
+    """Sizes of a small FLUX.1 pipeline. Defaults are test-sized (fast on one CPU core)."""
+
+    image_size: int = 16
+    vae_channels: tuple[int, ...] = (8, 16)  # len − 1 downsamplings by 2; the image is a multiple of 2·that
+    latent_channels: int = 16  # as FLUX's VAE; the transformer sees 2×2 patches: 4× as many channels
+    text_hidden: int = 16  # CLIP: only its pooled output is used
+    text_layers: int = 2
+    text_projection: int = 16
+    t5_hidden: int = 32
+    t5_layers: int = 2
+    layers: int = 1  # double-stream (MMDiT) blocks
+    single_layers: int = 1
+    heads: int = 2
+    head_dim: int = 16
+    rope_axes: tuple[int, int, int] = (4, 6, 6)  # sums to head_dim
+    max_prompt_tokens: int = 16
+
+
+# FLUX.1-dev's and FLUX.1-schnell's scheduler_config.json
+FLUX_DEV_SCHEDULER = {"base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
+                      "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True}
+FLUX_SCHNELL_SCHEDULER = {**FLUX_DEV_SCHEDULER, "shift": 1.0, "use_dynamic_shifting": False}
+
+
+def _t5_config(tokenizer: T5TokenizerFast, hidden: int, layers: int) -> dict:
+    return dict(vocab_size=len(tokenizer), d_model=hidden, d_kv=hidden // 4, d_ff=2 * hidden, num_layers=layers,
+                num_heads=4, relative_attention_num_buckets=8, feed_forward_proj="gated-gelu",
+                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=0)
+
+
+def build_tiny_flux_pipeline(words: list[str], sizes: TinyFluxSizes = TinyFluxSizes(), seed: int = 0,
+                             guidance_embeds: bool = True) -> FluxPipeline:
+    """A randomly initialised ``FluxPipeline`` for captions made of ``words``: FLUX.1-dev-like with
+    ``guidance_embeds`` (a guidance embedding, its dynamic-shifting scheduler), else FLUX.1-schnell-like."""
+    torch.manual_seed(seed)
+    clip_tokenizer = build_clip_tokenizer(words, sizes.max_prompt_tokens)
+    t5_tokenizer = build_t5_tokenizer(words)
+    vae = _vae(sizes.vae_channels, sizes.latent_channels, sizes.image_size, use_quant_conv=False,
+               use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159)  # FLUX's factors
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=4 * sizes.latent_channels, num_layers=sizes.layers,
+        num_single_layers=sizes.single_layers, attention_head_dim=sizes.head_dim, num_attention_heads=sizes.heads,
+        joint_attention_dim=sizes.t5_hidden, pooled_projection_dim=sizes.text_hidden,
+        guidance_embeds=guidance_embeds, axes_dims_rope=sizes.rope_axes,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(**(FLUX_DEV_SCHEDULER if guidance_embeds else FLUX_SCHNELL_SCHEDULER))
+    return FluxPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=CLIPTextModel(_clip_config(clip_tokenizer, sizes)),
+        tokenizer=clip_tokenizer, text_encoder_2=T5EncoderModel(T5Config(**_t5_config(t5_tokenizer, sizes.t5_hidden,
+                                                                                         sizes.t5_layers))),
+        tokenizer_2=t5_tokenizer, transformer=transformer,
+    )
+
+
+@dataclass
+class TinyWanSizes:
+    """Sizes of a small Wan 2.1 text-to-video pipeline. Defaults are test-sized (fast on one CPU core)."""
+
+    vae_dim: int = 4  # AutoencoderKLWan's base_dim; 8× spatial and 4× temporal compression as Wan's
+    latent_channels: int = 16
+    text_hidden: int = 32  # UMT5
+    text_layers: int = 2
+    layers: int = 2
+    heads: int = 2
+    head_dim: int = 12  # split into temporal / height / width rotary parts
+    ffn_dim: int = 32
+    flow_shift: float = 3.0  # Wan 2.1 at 480p
+
+
+def build_tiny_wan_pipeline(words: list[str], sizes: TinyWanSizes = TinyWanSizes(), seed: int = 0) -> WanPipeline:
+    """A randomly initialised ``WanPipeline`` (Wan 2.1 text-to-video) for captions made of ``words``."""
+    torch.manual_seed(seed)
+    tokenizer = build_t5_tokenizer(words)
+    vae = AutoencoderKLWan(base_dim=sizes.vae_dim, z_dim=sizes.latent_channels, dim_mult=[1, 1, 1, 1],
+                           num_res_blocks=1, temperal_downsample=[False, True, True])
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=sizes.heads, attention_head_dim=sizes.head_dim,
+        in_channels=sizes.latent_channels, out_channels=sizes.latent_channels, text_dim=sizes.text_hidden,
+        freq_dim=32, ffn_dim=sizes.ffn_dim, num_layers=sizes.layers, rope_max_seq_len=32,
+    )
+    # what Wan 2.1 ships (its scheduler_config.json); the adapter steps with Euler at the same shift
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        flow_shift=sizes.flow_shift, num_train_timesteps=1000)
+    text_encoder = UMT5EncoderModel(UMT5Config(**_t5_config(tokenizer, sizes.text_hidden, sizes.text_layers)))
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                       transformer=transformer)

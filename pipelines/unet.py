@@ -97,20 +97,8 @@ class UNetAdapter(DenoiserAdapter):
         model = self.denoiser if model is None else model
         dtype = self.model.dtype
         x, tensors = self.guidance_inputs(x, cond, guidance_scale)
-        t = torch.as_tensor(t, device=self.device).expand(x.shape[0])
+        t = self.batch_timesteps(t, x.shape[0])
         added = {name: tensors[key].to(dtype) for key, name in self.added_conditions.items()}
         out = model(x.to(dtype), t, encoder_hidden_states=tensors["embeds"].to(dtype),
                     added_cond_kwargs=added or None, return_dict=False)[0]
         return self.guide(out, guidance_scale)
-
-    def vae_latents(self, x0: torch.Tensor) -> torch.Tensor:
-        """What the pipeline hands its VAE decoder: x0 / scaling_factor."""
-        return x0 / self.pipe.vae.config.scaling_factor
-
-    @torch.no_grad()
-    def decode(self, x0: torch.Tensor) -> torch.Tensor:
-        """Latents [B, C, h, w] → images float [B, 3, H, W] in [0, 1] (the pipeline's "pt" output,
-        without the safety checker)."""
-        vae = self.pipe.vae
-        images = vae.decode(self.vae_latents(x0).to(vae.dtype), return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
