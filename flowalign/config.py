@@ -51,6 +51,12 @@ class SamplingConfig:
     window_start: Optional[int] = None  # None: random per rollout batch
     shared_group_noise: bool = False  # one initial noise per prompt group
     log_prob_reduction: str = "mean"  # mean | sum over latent elements
+    # masked discrete diffusion (model.family chess, flowalign/samplers/unmasking.py): how many
+    # positions each of the num_steps steps unmasks (cosine | linear) and the sampling temperature
+    # of the model's categoricals (training rescores at the same one); the log-prob is always the
+    # sum over the newly unmasked positions, every step is stochastic and trained
+    unmask_schedule: str = "cosine"
+    temperature: float = 1.0
 
 
 @dataclass
@@ -89,6 +95,10 @@ class TrainConfig:
     kl_beta: float = 0.0
     advantage_clip: float = 5.0
     global_std: bool = False
+    # group: (r − group mean) / std (GRPO); leave_one_out: (r − mean of the group's other samples) / group
+    # std (masked DDPO, flowalign/objectives/masked_ddpo.py)
+    advantage_baseline: str = "group"
+    entropy_coef: float = 0.0  # entropy bonus of masked DDPO (logits models): L − c_H·H of each step's categoricals
     # DanceGRPO: one advantage per weighted reward component, each with its own clipped objective
     per_reward_advantages: bool = False
     keep_extremes: int = 0  # best-of-N: train only on each group's k best and k worst samples (0 = all)
@@ -116,9 +126,9 @@ class TrainConfig:
 
 @dataclass
 class ExploreConfig:
-    # EXPLORENET (flowalign/explorenet.py): off | shape (learned per-element std, total fixed) |
+    # EXPLORENET (flowalign/explorenet.py): none (isotropic) | shape (learned per-element std, total fixed) |
     # magnitude (learned per-step scale only: the ablation) | both
-    mode: str = "off"
+    mode: str = "none"
     learning_rate: float = 1e-3
     hidden: int = 32
 
@@ -156,12 +166,15 @@ CHOICES = {
     "model.attention": ("sdpa", "xformers"),
     "sampling.step_mode": ("all", "fraction", "window"),
     "sampling.sde": ("flow_grpo", "cps", "dance_grpo"),
-    "explore.mode": ("off", "shape", "magnitude", "both"),
+    "explore.mode": ("none", "shape", "magnitude", "both"),
     "sampling.log_prob_reduction": ("mean", "sum"),
+    "sampling.unmask_schedule": ("cosine", "linear"),
+    "train.advantage_baseline": ("group", "leave_one_out"),
     "train.mixed_precision": ("no", "fp16", "bf16"),
     "tracker": ("tensorboard", "wandb", "none"),
     # flow_grpo, dance_grpo and ddpo share the clipped-ratio loss over stochastic steps (dance_grpo
-    # without KL; ddpo on the DDIM steps of sd / sdxl); diffusion_nft trains on the forward process
+    # without KL; ddpo on the DDIM steps of sd / sdxl and on the unmasking steps of chess);
+    # diffusion_nft trains on the forward process
     "method": ("flow_grpo", "dance_grpo", "ddpo", "diffusion_nft", "gdro"),
 }
 
@@ -292,7 +305,7 @@ def check_values(config: RunConfig, where: str = "config") -> None:
         ("train.train_batch_size", config.method != "gdro" or t.train_batch_size % t.group_size == 0,
          "must be a multiple of train.group_size for gdro (a minibatch holds whole groups)"),
         ("train.gdro_tau", t.gdro_tau > 0, "must be > 0"),
-        ("explore.mode", config.explore.mode == "off" or config.method in ("flow_grpo", "dance_grpo"),
+        ("explore.mode", config.explore.mode == "none" or config.method in ("flow_grpo", "dance_grpo"),
          "needs a method that trains on SDE log-probabilities (flow_grpo, dance_grpo)"),
         ("sampling.eta", s.eta >= 0, "must be ≥ 0"),
         ("train.nft_beta", t.nft_beta > 0, "must be > 0"),
@@ -305,6 +318,10 @@ def check_values(config: RunConfig, where: str = "config") -> None:
         ("train.noise_draws", 1 <= t.noise_draws <= s.num_steps, "must be between 1 and sampling.num_steps"),
         ("train.nft_old_decay_max", 0 <= t.nft_old_decay_max < 1, "must be in [0, 1)"),
         ("model.lora_rank", config.model.lora_rank >= 0, "must be ≥ 0 (0 = full fine-tuning)"),
+        ("sampling.temperature", s.temperature > 0, "must be > 0"),
+        ("train.entropy_coef", t.entropy_coef >= 0, "must be ≥ 0"),
+        ("train.advantage_baseline", t.advantage_baseline == "group" or not (t.per_prompt_stats or t.global_std),
+         "leave_one_out cannot be combined with train.per_prompt_stats or train.global_std"),
     ]
     for key, ok, message in rules:
         if not ok:

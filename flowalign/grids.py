@@ -3,7 +3,7 @@
 Every cell is an image [3, H, W]. Other modalities become image cells first: a video
 [T, 3, H, W] becomes a contact sheet of evenly spaced frames (``contact_sheet``, and
 ``save_gif`` keeps the motion), a waveform [N] becomes a log-magnitude spectrogram strip
-(``spectrogram_strip``).
+(``spectrogram_strip``), a chess position (a FEN string) a drawn board (``chess_board``).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
@@ -97,9 +98,54 @@ def spectrogram_strip(audio: torch.Tensor, height: int = 64, n_fft: int = 256, f
     return torch.stack([level.sqrt(), level ** 2, (level * (1 - level) * 2.5).clamp(0, 1)])
 
 
-def as_image_cells(samples: torch.Tensor, frames: int = 4) -> torch.Tensor:
+LIGHT_SQUARE, DARK_SQUARE = (240, 217, 181), (181, 136, 99)
+
+
+def chess_board(fen: str, square: int = 16) -> torch.Tensor:
+    """A FEN string → image float [3, 8·square + 4, 8·square] in [0, 1]: a board (a8 top left,
+    light and dark squares), each piece as its letter on a disc (white pieces: black letter on
+    white, black pieces: white letter on black), and a 4-pixel bar under the board in the
+    colour of the side to move. Only the placement and side-to-move fields are read, without
+    any legality check (generated boards may have three kings); an unreadable placement draws
+    the squares it could read and leaves the rest empty."""
+    fields = fen.split()
+    placement, turn = (fields + ["w", "w"])[:2] if fields else ("8/8/8/8/8/8/8/8", "w")
+    size = 8 * square
+    image = Image.new("RGB", (size, size + 4), (255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    font = ImageFont.load_default(size=max(8, int(square * 0.75)))
+    for rank in range(8):
+        for file in range(8):
+            x, y = file * square, rank * square
+            draw.rectangle([x, y, x + square - 1, y + square - 1],
+                           fill=LIGHT_SQUARE if (rank + file) % 2 == 0 else DARK_SQUARE)
+    for rank, row in enumerate(placement.split("/")[:8]):
+        file = 0
+        for char in row:
+            if char.isdigit():
+                file += int(char)
+                continue
+            if file >= 8 or char.upper() not in "PNBRQK":
+                break
+            x, y, white = file * square, rank * square, char.isupper()
+            inset = max(1, square // 10)
+            draw.ellipse([x + inset, y + inset, x + square - 1 - inset, y + square - 1 - inset],
+                         fill=(250, 250, 250) if white else (20, 20, 20), outline=(0, 0, 0))
+            draw.text((x + square / 2, y + square / 2), char.upper(), fill=(0, 0, 0) if white else (255, 255, 255),
+                      font=font, anchor="mm")
+            file += 1
+    draw.rectangle([0, size, size - 1, size + 3], fill=(20, 20, 20) if turn == "b" else (200, 200, 200))
+    return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).float() / 255
+
+
+def as_image_cells(samples, frames: int = 4) -> torch.Tensor:
     """Decoded samples of any modality → image cells [B, 3, H, W]: images pass through, videos
-    [B, T, 3, H, W] become contact sheets, waveforms [B, N] spectrogram strips."""
+    [B, T, 3, H, W] become contact sheets, waveforms [B, N] spectrogram strips, a list of FEN
+    strings (the chess family's decoded boards) drawn boards."""
+    if isinstance(samples, (list, tuple)):
+        if samples and all(isinstance(s, str) for s in samples):
+            return torch.stack([chess_board(fen) for fen in samples])
+        raise ValueError("a list of samples must be FEN strings (chess boards)")
     if samples.ndim == 4:
         return samples
     if samples.ndim == 5:

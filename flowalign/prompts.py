@@ -8,15 +8,22 @@ from pathlib import Path
 
 
 def load_prompts(source: str) -> list[dict]:
-    """``"shapes:train"`` / ``"shapes:test"`` / ``"shapes:all"``, a ``.txt`` file (one prompt per
-    line) or a ``.jsonl`` file (one record per line with a "prompt" key)."""
+    """``"shapes:train"`` / ``"shapes:test"`` / ``"shapes:all"``, ``"chess:train"`` /
+    ``"chess:test"`` (theme requests, ``flowalign.chess.requests``; ``chess:<split>:<model folder>``
+    for another model's split), a ``.txt`` file (one prompt per line) or a ``.jsonl`` file (one
+    record per line with a "prompt" key)."""
     if source.startswith("shapes:"):
         from flowalign.worlds.shapes import prompt_split
 
         return prompt_split(source.split(":", 1)[1])
+    if source.startswith("chess:"):
+        from flowalign.chess.requests import DEFAULT_MODEL, chess_requests
+
+        _, split, *model = source.split(":", 2)
+        return chess_requests(split, model[0] if model else DEFAULT_MODEL)
     path = Path(source).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file not found: tried {path.resolve()} (or use shapes:train / shapes:test)")
+        raise FileNotFoundError(f"prompt file not found: tried {path.resolve()} (or use shapes:train / shapes:test / chess:train / chess:test)")
     if path.suffix == ".jsonl":
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         bad = [i + 1 for i, r in enumerate(records) if not isinstance(r, dict) or "prompt" not in r]

@@ -9,6 +9,14 @@ steps. One process with S shards thus samples what S processes sample (tests/tes
 All generator states go into checkpoints, so a resumed run continues the same streams and
 reproduces the uninterrupted run.
 
+Masked discrete diffusion (adapters with ``prediction == "logits"``: the chess family) takes a
+small branch of the same loop: a rollout is ``flowalign.samplers.unmasking.rollout`` (its
+``MaskedTrajectory`` keeps the conditioning; the unmasking plan and the categorical draws come
+from the shard's noise stream), the decoded samples are FEN strings, every step that unmasks
+positions is trained with ``objectives.masked_ddpo.masked_ddpo_loss`` (clipped ratio, KL to the
+LoRA-disabled reference, entropy bonus) and the method is ``ddpo``. Evaluation samples with a
+fixed generator, reports board diversity and draws the boards.
+
 Faults (docs/distributed.md): SIGTERM / SIGINT stop the run after the epoch in progress, with a
 checkpoint; a checkpoint is written to ``epoch-N.tmp/``, renamed when complete, lists its files'
 sizes, and is read and checked whole before any of it is applied; an optimizer step whose loss or
@@ -41,12 +49,14 @@ from tqdm.auto import tqdm
 
 from flowalign.advantages import PerPromptStatTracker, combine_rewards, extremes_mask, group_advantages
 from flowalign.config import ConfigError, RunConfig, check_values, to_dict
-from flowalign.grids import save_grid, side_by_side, to_pil_grid
+from flowalign.grids import as_image_cells, save_grid, side_by_side, to_pil_grid
 from flowalign.objectives.diffusion_nft import diffusion_nft_loss, old_policy_decay, optimality_probability
 from flowalign.objectives.flow_grpo import flow_grpo_loss
 from flowalign.objectives.gdro import gdro_loss
+from flowalign.objectives.masked_ddpo import leave_one_out_advantages, masked_ddpo_loss
 from flowalign.prompts import load_prompts
 from flowalign.rollout import Trajectory, group_noise, rollout, transition
+from flowalign.samplers.unmasking import MaskedTrajectory
 from flowalign.samplers.steps import StepPlan, plan_steps
 from pipelines import adapter_class
 from reward_models.base import build_reward
@@ -133,7 +143,7 @@ class EpochBatch:
     """One epoch's rollouts on this process. traj: B samples; specs: B prompt records;
     rewards [B] (NaN = dropped); components: {name: [B]}; group_ids [B] (global over processes)."""
 
-    traj: Trajectory
+    traj: Trajectory | MaskedTrajectory
     specs: list[dict]
     rewards: torch.Tensor
     components: dict[str, torch.Tensor]
@@ -151,12 +161,20 @@ class Trainer:
         self.nft, self.gdro = config.method == "diffusion_nft", config.method == "gdro"
         self.forward_process = self.nft or self.gdro  # trained on noised copies of final samples
         self.offline: dict | None = None  # GDRO's pre-generated groups, read when training starts
+        # masked discrete diffusion (chess): known from the family's class, before any model loads
+        self.discrete = _family_prediction(config.model.family) == "logits"
+        if self.discrete:
+            self._check_discrete()
+            self.masked_steps = masked_trained_steps(s.num_steps, s.unmask_schedule)
         # backward passes per optimizer step: one per trained step of the rollout, or per noising
         # draw for DiffusionNFT and GDRO (Accelerate's gradient accumulation, so DDP syncs and DeepSpeed
         # steps once, on the last of them)
-        accumulation = t.noise_draws if self.forward_process else int((plan_steps(
-            s.num_steps, 1, s.eta, s.step_mode, fraction=s.fraction, window_size=s.window_size,
-            window_start=s.window_start, generator=torch.Generator()).noise_levels > 0).sum())
+        if self.discrete:
+            accumulation = len(self.masked_steps)
+        else:
+            accumulation = t.noise_draws if self.forward_process else int((plan_steps(
+                s.num_steps, 1, s.eta, s.step_mode, fraction=s.fraction, window_size=s.window_size,
+                window_start=s.window_start, generator=torch.Generator()).noise_levels > 0).sum())
         self.accelerator = Accelerator(
             mixed_precision=t.mixed_precision, project_dir=str(self.out), gradient_accumulation_steps=accumulation,
             log_with=None if config.tracker == "none" else config.tracker)
@@ -184,9 +202,10 @@ class Trainer:
         self.adapter = adapter_class(m.family).from_pretrained(
             m.path, dtype=m.dtype, device=acc.device, height=m.height, width=m.width)
         prediction = getattr(self.adapter, "prediction", "velocity")
-        if (prediction == "epsilon") != (config.method == "ddpo"):
+        if (prediction in ("epsilon", "logits")) != (config.method == "ddpo"):
             raise ConfigError(f"config: method {config.method!r} does not apply to model family {m.family!r} "
-                              f"({prediction} prediction): use ddpo for sd / sdxl, any other method for flow models")
+                              f"({prediction} prediction): use ddpo for sd / sdxl / chess, any other method for "
+                              "flow models")
         if m.lora_rank > 0:
             with torch.random.fork_rng(devices=[]):  # the LoRA's random init is part of the run's seed
                 torch.manual_seed(t.seed)
@@ -218,7 +237,7 @@ class Trainer:
         """EXPLORENET and its optimizer when ``explore.mode`` is on (same initial weights on every
         process: seeded by the run's seed; its gradients are averaged over processes)."""
         e, s = self.config.explore, self.config.sampling
-        if e.mode == "off":
+        if e.mode == "none":
             return None, None
         from flowalign.explorenet import ExploreNet
 
@@ -232,6 +251,21 @@ class Trainer:
             net = ExploreNet(shape[1], _prompt_vector(self.adapter.encode([""])).shape[-1], s.num_steps, e.mode,
                              e.hidden).to(self.accelerator.device)
         return net, torch.optim.Adam(net.parameters(), lr=e.learning_rate)
+
+    def _check_discrete(self) -> None:
+        """What masked discrete diffusion does not support (before the model loads)."""
+        cfg, t, s = self.config, self.config.train, self.config.sampling
+        problems = [
+            ("method", cfg.method == "ddpo", f"must be ddpo for a masked-diffusion family ({cfg.model.family!r}), "
+                                              f"got {cfg.method!r}"),
+            ("sampling.step_mode", s.step_mode == "all", "must be all for masked diffusion (every unmasking step is "
+                                                         "sampled from the policy and trained)"),
+            ("train.per_reward_advantages", not t.per_reward_advantages,
+             "is not supported for masked diffusion (one advantage per sample)"),
+        ]
+        for key, ok, message in problems:
+            if not ok:
+                raise ConfigError(f"config: {key} {message}")
 
     def _check_backend(self, accumulation: int) -> None:
         """FSDP and DeepSpeed: settings the loop needs (untested here: no GPU, docs/distributed.md)."""
@@ -364,6 +398,8 @@ class Trainer:
         out with the SDE, decode and reward them."""
         cfg, t, s = self.config, self.config.train, self.config.sampling
         groups = t.groups_per_epoch // len(self.shards)
+        if self.discrete:
+            return self._masked_epoch(groups)
         schedule = self.adapter.schedule(s.num_steps)
         if self.offline is not None:
             return self._offline_epoch(groups, schedule)
@@ -392,6 +428,39 @@ class Trainer:
         rewards, _ = combine_rewards(components, cfg.reward.weights)
         group_ids = torch.tensor([spec["group_id"] for spec in specs])
         return EpochBatch(traj, specs, rewards, components, group_ids)
+
+    def _masked_rollout(self, cond, generator: torch.Generator | None) -> MaskedTrajectory:
+        """Unmask the states of ``cond`` (its fixed tokens kept) with the current weights; the
+        plan and the categorical draws come from ``generator``."""
+        from flowalign.samplers.unmasking import rollout as unmasking_rollout
+
+        s = self.config.sampling
+        return unmasking_rollout(lambda x: self.adapter.predict(x, None, cond, s.guidance_scale),
+                                 self.adapter.initial_state(cond), s.num_steps, schedule=s.unmask_schedule,
+                                 temperature=s.temperature, generator=generator, cond=cond)
+
+    def _masked_epoch(self, groups: int) -> EpochBatch:
+        """``sample_epoch`` for masked diffusion: the same prompt groups, streams and threaded
+        scoring; each chunk is unmasked with the shard's noise stream and scored on its decoded
+        boards."""
+        cfg, t = self.config, self.config.train
+        self.adapter.model.eval()
+        parts, specs, scored = [], [], []
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            for shard, streams in zip(self.shards, self.streams):
+                shard_specs, cond, _ = self._draw_groups(shard, streams, groups)
+                for lo in range(0, len(shard_specs), t.sample_batch_size):
+                    sl = slice(lo, lo + t.sample_batch_size)
+                    part = self._masked_rollout(cond[sl], streams["noise"])
+                    parts.append(part)
+                    boards = self.adapter.decode(part.samples)
+                    scored.append(pool.submit(self._reward_chunk, boards, shard_specs[sl]) if t.async_reward
+                                  else _done(self._reward_chunk(boards, shard_specs[sl])))
+                specs += shard_specs
+            components = _cat_components([f.result() for f in scored])
+        rewards, _ = combine_rewards(components, cfg.reward.weights)
+        return EpochBatch(MaskedTrajectory.cat(parts), specs, rewards, components,
+                          torch.tensor([spec["group_id"] for spec in specs]))
 
     def _noise_scale(self, cond):
         """The rollout's per-element std multiplier from EXPLORENET (None: isotropic)."""
@@ -504,7 +573,11 @@ class Trainer:
                 if t.per_reward_advantages else [rewards]
             advs = []
             for column in columns:
-                adv, adv_stats = group_advantages(column, group_ids, global_std=t.global_std, clip=t.advantage_clip)
+                if t.advantage_baseline == "leave_one_out":
+                    adv, adv_stats = leave_one_out_advantages(column, group_ids, clip=t.advantage_clip)
+                else:
+                    adv, adv_stats = group_advantages(column, group_ids, global_std=t.global_std,
+                                                      clip=t.advantage_clip)
                 advs.append(adv)
             local = (torch.stack(advs, dim=1) if t.per_reward_advantages else advs[0])[mine]
             stats.update({f"adv/{k}": v for k, v in adv_stats.items()})
@@ -531,8 +604,11 @@ class Trainer:
         valid = valid.all(dim=1) if valid.ndim == 2 else valid
         advantages = torch.nan_to_num(advantages, nan=0.0).to(device)
         # loss terms per minibatch: trained stochastic steps, or the noising draws of NFT and GDRO
-        steps = list(range(t.noise_draws)) if self.forward_process else \
-            [j for j in range(len(traj.noise_levels)) if traj.noise_levels[j] > 0]
+        if self.discrete:
+            steps = self.masked_steps
+        else:
+            steps = list(range(t.noise_draws)) if self.forward_process else \
+                [j for j in range(len(traj.noise_levels)) if traj.noise_levels[j] > 0]
         if len(steps) != acc.gradient_accumulation_steps:  # the accumulation must close on each minibatch's last step
             raise RuntimeError(f"{len(steps)} trained steps, Accelerate accumulates {acc.gradient_accumulation_steps}")
         if not self._across_processes([float(valid.any())]).any():  # every sample dropped: nothing to learn
@@ -600,6 +676,8 @@ class Trainer:
         return self.params
 
     def _step_loss(self, sub: Trajectory, j: int, adv: torch.Tensor, weight: torch.Tensor):
+        if self.discrete:
+            return self._masked_step_loss(sub, j, adv, weight)
         t, s = self.config.train, self.config.sampling
         x, x_next = sub.latents[:, j], sub.latents[:, j + 1]
         eta = float(sub.noise_levels[j])
@@ -618,6 +696,23 @@ class Trainer:
                               mean=out.mean, ref_mean=ref_mean, std=out.std, weight=weight,
                               reduction=s.log_prob_reduction,
                               advantage_weights=self._reward_weights() if adv.ndim == 2 else None)
+
+    def _masked_step_loss(self, sub: MaskedTrajectory, j: int, adv: torch.Tensor, weight: torch.Tensor):
+        """Masked DDPO on unmasking step j: the policy's logits at the recorded state x_j rescore
+        the tokens step j drew (at the rollout's temperature); the reference (LoRA off, or the
+        frozen copy) gives the KL's other side."""
+        t, s = self.config.train, self.config.sampling
+        x = sub.states[:, j]
+        logits = self.adapter.predict(x, None, sub.cond, s.guidance_scale, model=self.model)
+        ref_logits = None
+        if t.kl_beta > 0:
+            fsdp_lora = self.accelerator.distributed_type == DistributedType.FSDP and self.config.model.lora_rank > 0
+            with torch.no_grad(), self.adapter.reference():
+                ref_logits = self.adapter.predict(x, None, sub.cond, s.guidance_scale,
+                                                  model=self.model if fsdp_lora else None)
+        return masked_ddpo_loss(logits, sub.states[:, j + 1], sub.unmask[:, j], sub.log_probs[:, j], adv,
+                                clip_range=t.clip_range, ref_logits=ref_logits, beta=t.kl_beta,
+                                entropy_coef=t.entropy_coef, temperature=s.temperature, weight=weight)
 
     def _reward_weights(self) -> torch.Tensor:
         """[C] the configured reward weights, in the order of the per-reward advantage columns."""
@@ -703,25 +798,18 @@ class Trainer:
     def _evaluate_main(self, label: str) -> dict:
         e, s = self.config.eval, self.config.sampling
         specs = [spec for spec in self.eval_specs for _ in range(e.seeds)]
-        generator = torch.Generator().manual_seed(EVAL_SEED)
-        noise = self.adapter.initial_noise(len(specs), generator)
-        schedule = self.adapter.schedule(s.num_steps)
-        self.adapter.model.eval()
-        latents = []
-        for lo in range(0, len(specs), e.batch_size):
-            sub = specs[lo:lo + e.batch_size]
-            plan = plan_steps(s.num_steps, len(sub), 0.0)
-            traj = rollout(self.adapter, self.adapter.encode([p["prompt"] for p in sub]), noise[lo:lo + len(sub)],
-                           schedule, plan, guidance_scale=s.guidance_scale)
-            latents.append(traj.samples)
-        latents = torch.cat(latents)
+        latents = self._eval_samples(specs)
         components = self._score(latents, specs)
         for reward in self.extra_rewards:
             components.update(self._score(latents, specs, reward))
         t = self.config.train
         result = {"epoch": self.epoch, "samples": len(specs), "train_seconds": self._train_seconds(),
                   "train_samples": self.epoch * t.groups_per_epoch * t.group_size * self.accelerator.num_processes}
-        if e.seeds > 1:
+        if e.seeds > 1 and self.discrete:
+            from flowalign.chess.diversity import grouped_board_diversity
+
+            result.update(grouped_board_diversity(latents, e.seeds))  # distinct, board_distance
+        elif e.seeds > 1:
             result["latent_diversity"] = latent_diversity(latents, e.seeds)
         for name, values in components.items():
             result[name] = _nanmean(values)
@@ -733,13 +821,37 @@ class Trainer:
         self._eval_grid(label, latents, specs)
         return result
 
+    def _eval_samples(self, specs: list[dict]) -> torch.Tensor:
+        """Final samples of the held-out ``specs``, paired across evaluations: ODE sampling
+        (η = 0) from the noise of EVAL_SEED; for masked diffusion, the unmasking plan and the
+        categorical draws of one generator seeded EVAL_SEED, run through the batches in order
+        (the same draws before and after; the samples differ only through the weights)."""
+        e, s = self.config.eval, self.config.sampling
+        generator = torch.Generator().manual_seed(EVAL_SEED)
+        self.adapter.model.eval()
+        latents = []
+        if self.discrete:
+            for lo in range(0, len(specs), e.batch_size):
+                sub = specs[lo:lo + e.batch_size]
+                latents.append(self._masked_rollout(self.adapter.encode([p["prompt"] for p in sub]), generator).samples)
+            return torch.cat(latents)
+        noise = self.adapter.initial_noise(len(specs), generator)
+        schedule = self.adapter.schedule(s.num_steps)
+        for lo in range(0, len(specs), e.batch_size):
+            sub = specs[lo:lo + e.batch_size]
+            plan = plan_steps(s.num_steps, len(sub), 0.0)
+            traj = rollout(self.adapter, self.adapter.encode([p["prompt"] for p in sub]), noise[lo:lo + len(sub)],
+                           schedule, plan, guidance_scale=s.guidance_scale)
+            latents.append(traj.samples)
+        return torch.cat(latents)
+
     def _eval_grid(self, label: str, latents: torch.Tensor, specs: list[dict]) -> None:
         """Rows: ``grid_prompts`` held-out prompts spread over the set; columns: the first seeds."""
         e = self.config.eval
         n_prompts, n_seeds = min(e.grid_prompts, len(self.eval_specs)), min(e.grid_seeds, e.seeds)
         rows = [round(i * (len(self.eval_specs) - 1) / max(n_prompts - 1, 1)) for i in range(n_prompts)]
         idx = [r * e.seeds + c for r in rows for c in range(n_seeds)]
-        images = self.adapter.decode(latents[idx])
+        images = as_image_cells(self.adapter.decode(latents[idx]))  # boards (FEN strings) are drawn
         grid = to_pil_grid(images, n_prompts, n_seeds)
         self._grids = getattr(self, "_grids", {})
         self._grids[label] = grid
@@ -960,6 +1072,26 @@ class Trainer:
             with open(self.out / "history.jsonl", "w") as f:
                 f.writelines(json.dumps(h) + "\n" for h in self.history)
         return summary
+
+
+def _family_prediction(family: str) -> str | None:
+    """The ``prediction`` of a family's adapter class (None for an unknown family: the error comes
+    when the adapter is looked up)."""
+    try:
+        return getattr(adapter_class(family), "prediction", "velocity")
+    except KeyError:
+        return None
+
+
+def masked_trained_steps(num_steps: int, schedule: str) -> list[int]:
+    """The unmasking steps that unmask at least one position of a fully masked sequence (the
+    trainer's rollouts: prompts carry no partial board, so every sample follows these counts); a
+    step that unmasks nothing (e.g. the first cosine step) has no log-prob to train."""
+    from flowalign.chess.tokenizer import SEQ_LEN
+    from flowalign.samplers.unmasking import unmask_counts
+
+    counts = unmask_counts(torch.tensor([SEQ_LEN]), num_steps, schedule)[0]
+    return [j for j in range(num_steps) if counts[j + 1] > counts[j]]
 
 
 def local_shards(shards: int, processes: int, rank: int, groups_per_epoch: int, train_batch_size: int) -> list[int]:

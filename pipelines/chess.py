@@ -164,9 +164,14 @@ class ChessAdapter(DenoiserAdapter):
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, dtype: str = "float32", device: str = "cpu",
-                        trained: str | Path | None = None, **kwargs):
+                        trained: str | Path | None = None, height: int | None = None, width: int | None = None,
+                        **kwargs):
         """A built-in demo name ("chess-md"), a local pipeline folder or a hub id; ``trained``: a
-        ``save_trained`` folder (LoRA fused in, or its ``model/`` replacing the model)."""
+        ``save_trained`` folder (LoRA fused in, or its ``model/`` replacing the model).
+        ``height`` / ``width`` (what a trainer passes every family) must be None: a board has no size."""
+        if height is not None or width is not None:
+            raise ValueError(f"the chess family has no image size (model.height={height}, model.width={width}): "
+                             "leave them unset")
         pipe = load_with_hub_fallback(ChessPuzzlePipeline.from_pretrained, name_or_path, dtype=torch_dtype(dtype))
         if trained is not None:
             load_trained(pipe, trained)

@@ -20,7 +20,6 @@ over all of them:
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import sys
@@ -32,21 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flowalign.chess import tokenizer  # noqa: E402
+from flowalign.chess.diversity import board_diversity as diversity  # noqa: E402
 from pipelines.base import resolve_model_path  # noqa: E402
 from pipelines.chess import ChessPuzzlePipeline  # noqa: E402
 from reward_models.chess.legality import is_legal  # noqa: E402
 
 REWARD_KEYS = ("unique", "theme_match", "theme_score", "yield", "best_move")
-
-
-def diversity(tokens: torch.Tensor) -> dict[str, float]:
-    """tokens [N, L] → distinct-board fraction and mean pairwise fraction of differing squares."""
-    boards = {tuple(row[:tokenizer.BOARD_LEN]) for row in tokens.tolist()}
-    squares = tokens[:, tokenizer.SQUARES]
-    pairs = list(itertools.combinations(range(len(tokens)), 2))
-    distance = sum((squares[i] != squares[j]).float().mean().item() for i, j in pairs) / max(len(pairs), 1)
-    return {"distinct": len(boards) / len(tokens), "board_distance": distance}
 
 
 def move_is_legal(fen: str, move: str | None) -> bool:

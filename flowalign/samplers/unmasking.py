@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 
 from flowalign.chess.tokenizer import MASK_ID
+from pipelines.base import Conditioning
 
 SCHEDULES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "linear": lambda u: 1.0 - u,
@@ -119,11 +120,14 @@ def unmask_step(logits: torch.Tensor, x: torch.Tensor, unmask: torch.Tensor, *, 
 class MaskedTrajectory:
     """A rollout: states long [B, S + 1, L] (states[:, 0] the initial state, states[:, -1] the
     sample); unmask bool [B, S, L] (step s turns states[:, s] into states[:, s + 1] at these
-    positions); log_probs [B, S] (sum over each step's newly unmasked positions)."""
+    positions); log_probs [B, S] (sum over each step's newly unmasked positions); cond: the
+    conditioning the rollout was sampled with (optional; a trainer keeps it to rescore the steps).
+    Indexing selects samples and ``cat`` joins rollouts, as for the continuous ``Trajectory``."""
 
     states: torch.Tensor
     unmask: torch.Tensor
     log_probs: torch.Tensor
+    cond: Conditioning | None = None
 
     @property
     def samples(self) -> torch.Tensor:
@@ -133,21 +137,34 @@ class MaskedTrajectory:
     def num_steps(self) -> int:
         return self.unmask.shape[1]
 
+    @property
+    def trained(self) -> torch.Tensor:
+        """bool [B, S]: the steps that unmask at least one position of the sample (a step that
+        unmasks nothing has no log-prob and no gradient)."""
+        return self.unmask.any(-1)
+
     def __getitem__(self, index) -> "MaskedTrajectory":
-        return MaskedTrajectory(self.states[index], self.unmask[index], self.log_probs[index])
+        return MaskedTrajectory(self.states[index], self.unmask[index], self.log_probs[index],
+                                None if self.cond is None else self.cond[index])
 
     @staticmethod
     def cat(parts: list["MaskedTrajectory"]) -> "MaskedTrajectory":
-        return MaskedTrajectory(*(torch.cat([getattr(p, f) for p in parts]) for f in ("states", "unmask", "log_probs")))
+        conds = [p.cond for p in parts]
+        if any(c is None for c in conds) and not all(c is None for c in conds):
+            raise ValueError("MaskedTrajectory.cat: either every part carries its conditioning or none does")
+        return MaskedTrajectory(*(torch.cat([getattr(p, f) for p in parts]) for f in ("states", "unmask", "log_probs")),
+                                None if conds[0] is None else Conditioning.cat(conds))
 
 
 @torch.no_grad()
 def rollout(logits_fn: Callable[[torch.Tensor], torch.Tensor], initial: torch.Tensor, num_steps: int, *,
             schedule: str = "cosine", temperature: float = 1.0,
-            generator: torch.Generator | None = None, mask_id: int = MASK_ID) -> MaskedTrajectory:
+            generator: torch.Generator | None = None, mask_id: int = MASK_ID,
+            cond: Conditioning | None = None) -> MaskedTrajectory:
     """Unmask ``initial`` long [B, L] (``mask_id`` at the free positions; other tokens are kept)
     in ``num_steps`` steps. ``logits_fn(x)`` maps a state [B, L] to logits [B, L, V] (close over
-    the conditioning). Draws the plan, then one categorical sample per step, from ``generator``."""
+    the conditioning; ``cond``, when given, is only stored in the trajectory). Draws the plan,
+    then one categorical sample per step, from ``generator``."""
     plan = unmasking_plan(initial == mask_id, num_steps, schedule=schedule, generator=generator)
     x, states, log_probs = initial, [initial], []
     for s in range(num_steps):
@@ -155,4 +172,4 @@ def rollout(logits_fn: Callable[[torch.Tensor], torch.Tensor], initial: torch.Te
         x = step.tokens
         states.append(x)
         log_probs.append(step.log_prob)
-    return MaskedTrajectory(torch.stack(states, 1), plan, torch.stack(log_probs, 1))
+    return MaskedTrajectory(torch.stack(states, 1), plan, torch.stack(log_probs, 1), cond)
