@@ -2,7 +2,7 @@
 
     python scripts/benchmark_explorenet.py --epochs 30 --out runs/explorenet
 
-Runs the Flow-GRPO demo recipe once per ``explore.mode`` (off = isotropic, shape = EXPLORENET,
+Runs the Flow-GRPO demo recipe once per ``explore.mode`` (none = isotropic, shape = EXPLORENET,
 magnitude = only a learned per-step scale: the ablation, both), same seed, same epochs. Per epoch:
 the fraction of zero-spread groups and the mean within-group reward std (``adv/`` stats of the
 rollouts each mode drew); held-out accuracy every ``--eval-every`` epochs. Then draws the learned
@@ -21,7 +21,7 @@ import torch
 from flowalign.config import load_config
 from flowalign.trainer import Trainer, _prompt_vector
 
-MODES = ("off", "shape", "magnitude", "both")
+MODES = ("none", "shape", "magnitude", "both")
 PROMPTS = ["a photo of a red circle and a blue square", "a photo of three triangles",
            "a photo of a square left of a circle"]
 
