@@ -76,6 +76,16 @@ def _step_inputs(v, x, sigma, sigma_next, eta):
     return x32, v32, _per_sample(sigma, x32), _per_sample(sigma_next, x32), eta
 
 
+def _gaussian_step(mean, std, noise, prev_sample, reduction: str, std_scale) -> StepOutput:
+    """Sample x' = μ + std·noise (or take ``prev_sample``) and its log-density. ``std_scale``: a
+    learned per-element exploration multiplier of the std (EXPLORENET); the mean is unchanged."""
+    if std_scale is not None:
+        std = std * std_scale.float()
+    if prev_sample is None:
+        prev_sample = mean + std * noise.float()
+    return StepOutput(prev_sample.float(), mean, std, gaussian_log_prob(prev_sample, mean, std, reduction))
+
+
 def _check_one_of(noise, prev_sample) -> None:
     if (noise is None) == (prev_sample is None):
         raise ValueError("give exactly one of noise (to sample) or prev_sample (to score)")
@@ -112,11 +122,7 @@ def flow_grpo_sde_step(
     sigma_t = eta * torch.sqrt(s / (1 - denom_sigma))
     mean = x32 + v32 * dt + sigma_t**2 / (2 * s) * (x32 + (1 - s) * v32) * dt
     std = sigma_t * torch.sqrt(-dt)
-    if std_scale is not None:  # a learned per-element exploration std (EXPLORENET); the mean is unchanged
-        std = std * std_scale.float()
-    if prev_sample is None:
-        prev_sample = mean + std * noise.float()
-    return StepOutput(prev_sample.float(), mean, std, gaussian_log_prob(prev_sample, mean, std, reduction))
+    return _gaussian_step(mean, std, noise, prev_sample, reduction, std_scale)
 
 
 def cps_step(
@@ -146,11 +152,7 @@ def cps_step(
     std = s_next * torch.sin(eta * math.pi / 2)
     x0_hat, eps_hat = x32 - s * v32, x32 + (1 - s) * v32
     mean = (1 - s_next) * x0_hat + torch.sqrt((s_next**2 - std**2).clamp(min=0)) * eps_hat
-    if std_scale is not None:  # a learned per-element exploration std (EXPLORENET); the mean is unchanged
-        std = std * std_scale.float()
-    if prev_sample is None:
-        prev_sample = mean + std * noise.float()
-    return StepOutput(prev_sample.float(), mean, std, gaussian_log_prob(prev_sample, mean, std, reduction))
+    return _gaussian_step(mean, std, noise, prev_sample, reduction, std_scale)
 
 
 def dance_grpo_sde_step(
@@ -178,11 +180,7 @@ def dance_grpo_sde_step(
     score = -(x32 - (1 - s) * (x32 - s * v32)) / s**2
     mean = x32 + v32 * dt - 0.5 * eta**2 * score * dt
     std = eta * torch.sqrt(-dt)
-    if std_scale is not None:  # a learned per-element exploration std (EXPLORENET); the mean is unchanged
-        std = std * std_scale.float()
-    if prev_sample is None:
-        prev_sample = mean + std * noise.float()
-    return StepOutput(prev_sample.float(), mean, std, gaussian_log_prob(prev_sample, mean, std, reduction))
+    return _gaussian_step(mean, std, noise, prev_sample, reduction, std_scale)
 
 
 FLOW_SDE_STEPS = {"flow_grpo": flow_grpo_sde_step, "cps": cps_step, "dance_grpo": dance_grpo_sde_step}
