@@ -21,3 +21,13 @@ def tiny_adapter(tiny_sd3_dir):
     from pipelines.sd3 import SD3Adapter
 
     return SD3Adapter.from_pretrained(str(tiny_sd3_dir))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny-model tests: their ops are too small for two threads,
+    which only wait on each other (5× slower on a busy 2-core machine); restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

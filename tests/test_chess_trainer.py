@@ -32,13 +32,7 @@ class CheapChessReward(Reward):
         return {"legal": torch.tensor(legal), "empty": torch.tensor(empty)}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model's ops are far too small for two threads (they only wait on each other)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -23,14 +23,8 @@ from test_trainer import tiny_config
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """In-process runs on one thread, like the subprocesses (OMP_NUM_THREADS=1): two threads per
-    run on a busy 2-core machine made them ten times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# in-process runs on one thread, like the subprocesses (OMP_NUM_THREADS=1; conftest)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def write_config(tiny_sd3_dir, path: Path, *overrides) -> Path:

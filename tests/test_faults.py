@@ -17,9 +17,10 @@ from safetensors.torch import load_file
 import flowalign.trainer as trainer_module
 from flowalign.trainer import CheckpointError, DiskFullError, Trainer
 from reward_models.base import Reward, register_reward
-from test_distributed import one_thread  # noqa: F401  (autouse)
 from test_distributed import history, run, start, train_command, wait_until_started, write_config
 from test_trainer import tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest
 
 EPOCHS = 10
 # every epoch checkpointed, two minibatches (the shuffle stream matters), EMA (its state must resume too)

@@ -26,13 +26,7 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # these models are tiny: a second thread only adds overhead on a busy 2-core machine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits (conftest)
 
 
 @pytest.fixture(scope="module")
