@@ -49,6 +49,10 @@ class SamplingConfig:
     fraction: float = 0.6
     window_size: int = 2
     window_start: Optional[int] = None  # None: random per rollout batch
+    # MixGRPO: > 0 slides the window window_stride steps later every window_shift_every epochs,
+    # from window_start (or 0) on (flowalign.samplers.steps.sliding_window_start)
+    window_shift_every: int = 0
+    window_stride: int = 1
     shared_group_noise: bool = False  # one initial noise per prompt group
     log_prob_reduction: str = "mean"  # mean | sum over latent elements
     # masked discrete diffusion (model.family chess, flowalign/samplers/unmasking.py): how many
@@ -308,6 +312,8 @@ def check_values(config: RunConfig, where: str = "config") -> None:
         ("explore.mode", config.explore.mode == "none" or config.method in ("flow_grpo", "dance_grpo"),
          "needs a method that trains on SDE log-probabilities (flow_grpo, dance_grpo)"),
         ("sampling.eta", s.eta >= 0, "must be ≥ 0"),
+        ("sampling.window_shift_every", s.window_shift_every >= 0, "must be ≥ 0 (0 = no sliding window)"),
+        ("sampling.window_stride", s.window_stride >= 1, "must be ≥ 1"),
         ("train.nft_beta", t.nft_beta > 0, "must be > 0"),
         ("train.kl_beta", config.method != "dance_grpo" or t.kl_beta == 0,
          "must be 0 for dance_grpo (no reference model); use method=flow_grpo for a KL"),

@@ -57,7 +57,7 @@ from flowalign.objectives.masked_ddpo import leave_one_out_advantages, masked_dd
 from flowalign.prompts import load_prompts
 from flowalign.rollout import Trajectory, group_noise, rollout, transition
 from flowalign.samplers.unmasking import MaskedTrajectory
-from flowalign.samplers.steps import StepPlan, plan_steps
+from flowalign.samplers.steps import StepPlan, plan_steps, sliding_window_start
 from pipelines import adapter_class
 from reward_models.base import build_reward
 
@@ -404,8 +404,12 @@ class Trainer:
         if self.offline is not None:
             return self._offline_epoch(groups, schedule)
         # one plan for a shard's samples from the generator all processes share: every shard trains the same steps
+        window_start = s.window_start
+        if s.step_mode == "window" and s.window_shift_every:
+            window_start = sliding_window_start(self.epoch, s.num_steps, s.window_size, s.window_shift_every,
+                                                s.window_stride, s.window_start or 0)
         plan = plan_steps(s.num_steps, groups * t.group_size, s.eta, s.step_mode, fraction=s.fraction,
-                          window_size=s.window_size, window_start=s.window_start, generator=self.plan_generator)
+                          window_size=s.window_size, window_start=window_start, generator=self.plan_generator)
         self.adapter.model.eval()
         parts, specs, scored = [], [], []
         # One worker thread scores chunk k (a remote call, a CPU verifier) while chunk k + 1 samples.

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flowalign.samplers.flow_sde import flow_grpo_sde_step, gaussian_log_prob, ode_step
-from flowalign.samplers.steps import plan_steps
+from flowalign.samplers.steps import plan_steps, sliding_window_start
 
 
 def test_log_prob_equals_closed_form_gaussian_density():
@@ -84,3 +84,14 @@ def test_plan_modes():
     assert torch.equal(win.trained[0], win.noise_levels > 0)
     with pytest.raises(ValueError, match="window_size"):
         plan_steps(4, 1, 1.0, "window", window_size=4)
+
+
+def test_sliding_window_moves_later_every_shift_and_stops_at_the_end():
+    # 10 steps, window 2: the last valid start is 10 - 1 - 2 = 7
+    starts = [sliding_window_start(epoch, 10, 2, shift_every=3, stride=2) for epoch in range(15)]
+    assert starts == [0, 0, 0, 2, 2, 2, 4, 4, 4, 6, 6, 6, 7, 7, 7]
+    assert sliding_window_start(0, 10, 2, shift_every=1, start=5) == 5
+    for start in set(starts):  # every scheduled window is a valid plan
+        plan_steps(10, 1, 1.0, "window", window_size=2, window_start=start)
+    with pytest.raises(ValueError, match="shift_every"):
+        sliding_window_start(0, 10, 2, shift_every=0)

@@ -160,6 +160,17 @@ def test_dance_grpo_options_train_only_the_extremes_with_one_advantage_per_rewar
     assert math.isfinite(trainer.history[0]["train/policy_loss"])
 
 
+def test_mixgrpo_window_slides_one_step_later_per_epoch(tiny_sd3_dir, tmp_path):
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, "sampling.step_mode=window", "sampling.window_size=1",
+                                  "sampling.window_shift_every=1"))
+    stochastic = []
+    for epoch in range(4):  # 4 steps: windows of one step start at 0, 1, 2, then stay at 2
+        trainer.epoch = epoch
+        levels = trainer.sample_epoch().traj.noise_levels
+        stochastic.append([j for j in range(len(levels)) if levels[j] > 0])
+    assert stochastic == [[0], [1], [2], [2]]
+
+
 def test_latent_diversity_is_zero_for_identical_samples_and_the_rms_distance_otherwise():
     from flowalign.trainer import latent_diversity
 

@@ -7,7 +7,9 @@ Modes (``../shared/METHODS.md`` §1, "Windows and subsets"):
   them, drawn independently per sample (DanceGRPO, 0.6);
 * ``"window"``: only ``window_size`` consecutive steps are SDE and trained, the rest is ODE
   (Flow-GRPO-Fast / MixGRPO); the window starts at ``window_start`` or, when that is None, at a
-  random step drawn once per rollout batch.
+  random step drawn once per rollout batch. ``sliding_window_start`` gives MixGRPO's schedule:
+  the window begins at the first (noisiest) steps and moves ``stride`` steps later every
+  ``shift_every`` epochs, then stays at the end.
 
 The last step (σ' = 0) is always deterministic and never trained.
 """
@@ -63,3 +65,12 @@ def plan_steps(
         trained = torch.zeros(batch, num_steps, dtype=torch.bool)
         trained.scatter_(1, chosen, True)
     return StepPlan(noise_levels=stochastic.float() * eta, trained=trained)
+
+
+def sliding_window_start(epoch: int, num_steps: int, window_size: int, shift_every: int, stride: int = 1,
+                         start: int = 0) -> int:
+    """MixGRPO's scheduled window: ``start + stride · ⌊epoch / shift_every⌋``, clamped to the last
+    position a window of ``window_size`` stochastic steps fits in (``num_steps − 1 − window_size``)."""
+    if shift_every < 1 or stride < 1:
+        raise ValueError(f"shift_every and stride must be ≥ 1, got {shift_every} and {stride}")
+    return min(start + stride * (epoch // shift_every), num_steps - 1 - window_size)
