@@ -10,7 +10,7 @@ from PIL import ImageDraw
 from flowalign.worlds.shapes import (BACKGROUND, CATEGORIES, COLORS, IMAGE_SIZE, all_specs, prompt_split,
                                      render_scene, to_array)
 from reward_models.base import available_rewards, build_reward
-from reward_models.shapes import ShapesVerifier, detect_objects, judge
+from reward_models.shapes import SHAPE_TEMPERATURE, DetectedObject, ShapesVerifier, detect_objects, judge, soft_judge
 
 
 def _score(images, specs):
@@ -26,6 +26,7 @@ def test_every_rendered_spec_is_judged_correct(category):
     out = _score(images, [spec for spec in specs for _ in range(2)])
     assert out["accuracy"].tolist() == [1.0] * len(images)
     assert out["score"].tolist() == [1.0] * len(images)
+    assert out["soft_score"].min() > 0.9  # confident, not exactly 1: a drawn circle is not its template
 
 
 def test_blank_image_fails_every_category():
@@ -81,6 +82,43 @@ def test_shape_classes_are_told_apart():
         for seed in range(5):
             objects = detect_objects(to_array(render_scene(spec, random.Random(seed))))
             assert [o.shape for o in objects] == [shape]
+
+
+def _object(shape_ious, color, cx=16.0, cy=16.0):
+    return DetectedObject(max(shape_ious, key=shape_ious.get), color, cx, cy, 50, shape_ious)
+
+
+def test_soft_score_is_the_hand_computed_relaxation_of_score():
+    spec = _spec("a photo of a red circle")
+    ious = {"circle": 0.80, "square": 0.75, "triangle": 0.40}
+    p_circle = np.exp(0.80 / SHAPE_TEMPERATURE) / sum(np.exp(v / SHAPE_TEMPERATURE) for v in ious.values())
+    one = [_object(ious, "red")]
+    assert soft_judge(one, spec, IMAGE_SIZE) == pytest.approx((p_circle + 1.0) / 2)  # item check, nothing extra
+    assert soft_judge([_object(ious, "blue")], spec, IMAGE_SIZE) == pytest.approx(0.5)  # wrong colour: item 0
+    extra = one + [_object({"circle": 0.1, "square": 0.9, "triangle": 0.2}, "green")]
+    assert soft_judge(extra, spec, IMAGE_SIZE) == pytest.approx((p_circle + 0.5) / 2)  # 1 / (1 + 1 extra)
+    assert soft_judge([], spec, IMAGE_SIZE) == pytest.approx((0.0 + 0.5) / 2)
+
+
+def test_soft_relation_is_one_half_at_the_strict_margin_and_rises_past_it():
+    spec = _spec("a photo of a circle left of a square")
+    circle, square = {"circle": 1.0, "square": 0.0, "triangle": 0.0}, {"circle": 0.0, "square": 1.0, "triangle": 0.0}
+    def relation_check(dx):
+        objects = [_object(circle, "red", cx=10.0), _object(square, "blue", cx=10.0 + dx)]
+        return soft_judge(objects, spec, IMAGE_SIZE) * 4 - 3  # 4 checks, 3 of them exactly 1
+    assert relation_check(IMAGE_SIZE / 16) == pytest.approx(0.5)
+    assert relation_check(0.0) < 0.5 < relation_check(IMAGE_SIZE / 8) < relation_check(IMAGE_SIZE / 2)
+
+
+def test_soft_score_ranks_a_nearly_right_sample_above_a_wrong_one():
+    # the point of the relaxation: between two samples that both fail strictly, the closer one earns more
+    spec = _spec("a photo of a red circle")
+    circle = to_array(render_scene(spec, random.Random(5)))
+    squareish = circle.copy()
+    ys, xs = np.nonzero((circle == COLORS["red"]).all(-1))
+    squareish[ys.min():ys.max() + 1, xs.min():xs.max() + 1] = COLORS["red"]  # fill the bounding box
+    soft = [soft_judge(detect_objects(a), spec, IMAGE_SIZE) for a in (circle, squareish)]
+    assert soft[0] > 0.95 and soft[1] < 0.6
 
 
 def test_splits_are_fixed_and_disjoint_where_split():

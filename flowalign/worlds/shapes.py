@@ -120,10 +120,14 @@ def _draw(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int, int],
         raise ValueError(f"unknown shape {shape!r}")
 
 
-def _relation_holds(rel: str, a: tuple[float, float], b: tuple[float, float], margin: float) -> bool:
+def relation_offset(rel: str, a: tuple[float, float], b: tuple[float, float]) -> float:
+    """How far (pixels) centre ``a`` lies in direction ``rel`` ("left of", …) of centre ``b``."""
     (ax, ay), (bx, by) = a, b
-    return {"left of": bx - ax > margin, "right of": ax - bx > margin,
-            "above": by - ay > margin, "below": ay - by > margin}[rel]
+    return {"left of": bx - ax, "right of": ax - bx, "above": by - ay, "below": ay - by}[rel]
+
+
+def _relation_holds(rel: str, a: tuple[float, float], b: tuple[float, float], margin: float) -> bool:
+    return relation_offset(rel, a, b) > margin
 
 
 def render_scene(spec: dict, rng: random.Random, size: int = IMAGE_SIZE, max_tries: int = 200) -> Image.Image:
