@@ -1,0 +1,192 @@
+"""DiffusionNFT for joint audio-video models with adaptive reward routing (``../shared/METHODS.md`` §3).
+
+A joint sample is one latent tensor whose elements belong to *branches* (video, audio: the
+adapter's boolean masks). Rewards come as K components (per-modality quality, text–video and
+text–audio alignment, sync); the user's ``reward.weights`` are *preference priors* p [K].
+
+**Fixed routing** (the baseline): one advantage A = Σ_k p_k·A_k per sample, one DiffusionNFT
+loss over all elements: exactly ``diffusion_nft_loss``.
+
+**Branch routing.** Each reward is routed to the branches it concerns (a video reward to video,
+an audio reward to audio, sync and cross-modal rewards to both): a matrix W [M, K] with
+W[b, k] = p_k if reward k concerns branch b, else 0. Branch b trains with its own advantage
+A_b = Σ_k W[b, k]·A_k, so the video elements are not pushed around by audio-only rewards.
+
+**(ii) Preference-preserving modality-aware reweighting.** The NFT loss is affine in the
+optimality probability: per sample, L_i(r) = N_i + r·(P_i − N_i). The output-space gradient of
+reward k's loss on branch b is therefore (r_ik − ½)·d_i^b plus a part shared by every reward,
+with d_i^b = ∂(P_i − N_i)/∂v_θ restricted to branch b's elements. Samples' outputs are
+independent, so the reward-gradient interactions on branch b are the Gram matrix
+
+    G^b_kj = Σ_i s_i^b · a_ik · a_ij,    a_ik = r_ik − ½,    s_i^b = ‖d_i^b‖²,
+
+computed in closed form from the loss's own tensors (no extra backward pass; the parameter-space
+version would need K of them; this is its output-space proxy). Under the combined direction
+g = Σ_k W[b, k]·g_k, reward k improves at the normalised rate cos_k = (G w)_k / √(G_kk · wᵀGw).
+After ``warmup`` epochs each routed reward whose cos_k falls below ``threshold`` (it conflicts
+with, or is drowned by, the others) gets a residual: W[b, k] = p_k·(1 + ρ_k),
+ρ_k = min(ρ_max, strength·(threshold − cos_k)); each row is rescaled to keep its total prior
+mass. Priors stay the anchor: a reward the user weighted 0 stays 0, agreeing rewards keep their
+priors exactly, and during warm-up W is the routed priors unchanged. G is averaged over epochs
+(an EMA) because one batch's estimate is noisy.
+
+**(i) Cross-modal influence-guided routing.** Each block's ``audio_to_video_attn`` (video tokens
+query audio) and ``video_to_audio_attn`` respond to the other modality; the response ratio
+u = ‖attention output‖ / ‖residual input‖ per query token, read during the training forward pass,
+is a free proxy of how much the other modality drives that token. It is used twice:
+
+* token weights: per sample and branch, w_tok = (u / mean u)^α renormalised to mean 1, multiply
+  the branch's per-element errors (tokens that carry cross-modal influence, where sync is decided,
+  weigh more; α = 0 gives the plain loss);
+* layer gradient scales: the gradients of each cross-modal module are multiplied by
+  clip(ū_l / mean_l ū_l, s_min, s_max), the module's mean response relative to all such modules
+  (layers through which little cross-modal influence flows are updated less; the published LTX-2
+  relative stops gradients in shallow audio→video layers, the limit s → 0).
+
+With one branch, uniform token weights and unit gradient scales, ``routed_nft_loss`` equals
+``diffusion_nft_loss`` (tested).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def routed_priors(priors: torch.Tensor, concerns: torch.Tensor) -> torch.Tensor:
+    """W0[b, k] = p_k where reward k concerns branch b. priors: [K]; concerns: bool [M, K] → [M, K]."""
+    if not concerns.any(0).all():
+        raise ValueError("every reward must concern at least one branch")
+    return priors.float()[None, :] * concerns.float()
+
+
+def branch_advantages(advantages: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """A_b = Σ_k W[b, k]·A_k. advantages: [B, K] (one column per reward); weights: [M, K] → [B, M]."""
+    return advantages.float() @ weights.float().T
+
+
+def reward_gradient_gram(centred: torch.Tensor, sensitivity: torch.Tensor) -> torch.Tensor:
+    """G^b_kj = Σ_i s_i^b · a_ik · a_ij. centred a: [B, K] (r − ½ per reward); sensitivity s: [B, M] → [M, K, K]."""
+    return torch.einsum("ib,ik,ij->bkj", sensitivity.float(), centred.float(), centred.float())
+
+
+def residual_weights(
+    priors: torch.Tensor,
+    gram: torch.Tensor,
+    *,
+    active: bool,
+    strength: float = 1.0,
+    threshold: float = 0.3,
+    max_residual: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reweighted routing W [M, K] and each reward's alignment cos [M, K] with its branch's update.
+
+    priors: routed priors W0 [M, K]; gram: G [M, K, K]. ``active`` False (warm-up) returns W0
+    itself. Rewards with W0 = 0 on a branch keep 0 there; each row keeps its total mass.
+    """
+    w = priors.float()
+    gw = torch.einsum("bkj,bj->bk", gram.float(), w)  # (G w)_k
+    norm = (torch.diagonal(gram, dim1=1, dim2=2).clamp(min=0) * (w * gw).sum(1, keepdim=True).clamp(min=0)).sqrt()
+    cos = torch.where(norm > 0, gw / norm.clamp(min=1e-12), torch.zeros_like(gw))
+    if not active:
+        return priors, cos
+    rho = (strength * (threshold - cos)).clamp(min=0.0, max=max_residual) * (w > 0)
+    boosted = w * (1 + rho)
+    scale = w.sum(1, keepdim=True) / boosted.sum(1, keepdim=True).clamp(min=1e-12)
+    return boosted * scale, cos
+
+
+def response_ratio(output: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """u = ‖o‖ / ‖h‖ per token. output, residual: [B, N, D] → [B, N]."""
+    return output.float().norm(dim=-1) / residual.float().norm(dim=-1).clamp(min=1e-6)
+
+
+def token_weights(influence: torch.Tensor, alpha: float) -> torch.Tensor:
+    """w = (u / mean u)^α renormalised to mean 1 over each sample's tokens. influence: [B, N] → [B, N]."""
+    u = influence.float().clamp(min=1e-6)
+    w = (u / u.mean(1, keepdim=True)) ** alpha
+    return w / w.mean(1, keepdim=True)
+
+
+def layer_gradient_scales(layer_influence: torch.Tensor, low: float = 0.25, high: float = 4.0) -> torch.Tensor:
+    """s_l = clip(ū_l / mean_l ū_l, low, high). layer_influence: [L] mean response per module → [L]."""
+    u = layer_influence.float()
+    return (u / u.mean().clamp(min=1e-12)).clamp(low, high)
+
+
+def nft_sensitivity(x0_hat_pos, x0_hat_neg, x0, t, beta: float, masks: torch.Tensor,
+                    elem_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """s_i^b = ‖∂(P_i − N_i)/∂v_θ‖² over branch b's elements, in closed form.
+
+    With e± = x̂0(v±) − x0, n_b elements in the branch and the detached adaptive weights
+    w± = mean_b|e±|: P = Σ_b c·e⁺² / (n_b w⁺), ∂e⁺/∂v_θ = −tβ, ∂e⁻/∂v_θ = +tβ, so
+    ∂(P − N)/∂v_θ = −2tβ·c·(e⁺ / w⁺ + e⁻ / w⁻) / n_b (c: the element weight). The branch loss's
+    factor n_b / (n·β) is left out: a constant per branch, it cancels in the cosines of
+    ``residual_weights``. x̂0±, x0: [B, D...]; t: [B]; masks: bool [M, D...]. Returns [B, M].
+    """
+    t = t.float().reshape(-1, *([1] * (x0.ndim - 1)))
+    e_pos, e_neg = (x0_hat_pos - x0).float(), (x0_hat_neg - x0).float()
+    c = torch.ones_like(e_pos) if elem_weight is None else elem_weight.float()
+    out = []
+    for mask in masks:
+        n = mask.sum()
+        w_pos = (e_pos.abs() * mask).flatten(1).sum(1) / n
+        w_neg = (e_neg.abs() * mask).flatten(1).sum(1) / n
+        shape = (-1, *([1] * (x0.ndim - 1)))
+        d = -2 * t * beta * c * (e_pos / w_pos.clamp(min=1e-5).view(shape) + e_neg / w_neg.clamp(min=1e-5).view(shape)) / n
+        out.append(((d * mask) ** 2).flatten(1).sum(1))
+    return torch.stack(out, 1)
+
+
+def routed_nft_loss(
+    v_theta: torch.Tensor,
+    v_old: torch.Tensor,
+    x_t: torch.Tensor,
+    x0: torch.Tensor,
+    t: torch.Tensor,
+    r: torch.Tensor,
+    masks: torch.Tensor,
+    *,
+    beta: float,
+    elem_weight: torch.Tensor | None = None,
+    v_ref: torch.Tensor | None = None,
+    kl_beta: float = 0.0,
+    weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DiffusionNFT with one optimality probability per branch.
+
+    v_theta (with grad), v_old, x_t, x0: [B, D...]; t: [B]; r: [B, M] per branch; masks: bool
+    [M, D...] partitioning the elements; elem_weight: [B, D...] token weights (mean 1 per branch;
+    None: uniform); weight: [B] in {0, 1} (samples that train). Per branch b the errors are
+    averaged over its elements and divided by the detached mean|error| over them (the adaptive
+    weight of ``diffusion_nft_loss``); branch losses are summed with weights n_b / n (each
+    element counts once, as in the unrouted loss). Returns (loss, stats).
+    """
+    if beta <= 0:
+        raise ValueError(f"DiffusionNFT needs beta > 0, got {beta}")
+    if not torch.equal(masks.sum(0), torch.ones_like(masks[0], dtype=masks.sum(0).dtype)):
+        raise ValueError("branch masks must partition the latent elements")
+    weight = torch.ones(x0.shape[0], device=x0.device) if weight is None else weight.float()
+    denom = weight.sum().clamp(min=1.0)
+    tt = t.float().reshape(-1, *([1] * (x_t.ndim - 1)))
+    v_old, v32, x_t, x0 = v_old.detach().float(), v_theta.float(), x_t.float(), x0.float()
+    e_pos = x_t - tt * (beta * v32 + (1 - beta) * v_old) - x0
+    e_neg = x_t - tt * ((1 + beta) * v_old - beta * v32) - x0
+    c = torch.ones_like(e_pos) if elem_weight is None else elem_weight.float()
+    total = masks[0].numel()
+    per_sample = torch.zeros(x0.shape[0], device=x0.device)
+    stats = {}
+    for b, mask in enumerate(masks):
+        n = mask.sum()
+        pos = ((c * e_pos**2) * mask).flatten(1).sum(1) / n / ((e_pos.detach().abs() * mask).flatten(1).sum(1) / n).clamp(min=1e-5)
+        neg = ((c * e_neg**2) * mask).flatten(1).sum(1) / n / ((e_neg.detach().abs() * mask).flatten(1).sum(1) / n).clamp(min=1e-5)
+        per_sample = per_sample + (n / total) * (r[:, b] * pos + (1 - r[:, b]) * neg) / beta
+        stats[f"r_branch{b}"] = (r[:, b] * weight).sum() / denom
+    policy_loss = (per_sample * weight).sum() / denom
+    loss, kl = policy_loss, torch.zeros((), device=x0.device)
+    if kl_beta > 0:
+        if v_ref is None:
+            raise ValueError("kl_beta > 0 needs v_ref")
+        kl = (((v32 - v_ref.detach().float()) ** 2).flatten(1).mean(1) * weight).sum() / denom
+        loss = loss + kl_beta * kl
+    stats.update(policy_loss=policy_loss.detach(), kl=kl.detach())
+    return loss, {k: v.detach() for k, v in stats.items()}

@@ -1,0 +1,126 @@
+"""DiffusionNFT with audio-video reward routing: reductions, closed forms, hand computations."""
+
+import math
+
+import pytest
+import torch
+
+from flowalign.objectives.av_routing import (branch_advantages, layer_gradient_scales, nft_sensitivity,
+                                             residual_weights, response_ratio, reward_gradient_gram,
+                                             routed_nft_loss, routed_priors, token_weights)
+from flowalign.objectives.diffusion_nft import diffusion_nft_loss
+
+
+def _batch(b=3, d=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x0, eps, v_old = (torch.randn(b, d, generator=g) for _ in range(3))
+    t = torch.rand(b, generator=g) * 0.8 + 0.1
+    x_t = (1 - t[:, None]) * x0 + t[:, None] * eps
+    v_theta = (v_old + 0.3 * torch.randn(b, d, generator=g)).requires_grad_(True)
+    return v_theta, v_old, x_t, x0, t
+
+
+def test_one_branch_with_uniform_tokens_is_plain_diffusion_nft():
+    v, v_old, x_t, x0, t = _batch()
+    r = torch.tensor([0.2, 0.5, 0.9])
+    plain, _ = diffusion_nft_loss(v, v_old, x_t, x0, t, r, beta=0.7)
+    routed, _ = routed_nft_loss(v, v_old, x_t, x0, t, r[:, None], torch.ones(1, 10, dtype=torch.bool), beta=0.7)
+    assert routed.item() == pytest.approx(plain.item(), rel=1e-6)
+    (g_plain,) = torch.autograd.grad(plain, v)
+    (g_routed,) = torch.autograd.grad(routed, v)
+    assert torch.allclose(g_plain, g_routed, atol=1e-7)
+
+
+def test_each_branch_trains_only_on_its_own_advantage():
+    v, v_old, x_t, x0, t = _batch()
+    masks = torch.zeros(2, 10, dtype=torch.bool)
+    masks[0, :6], masks[1, 6:] = True, True  # video elements 0-5, audio 6-9
+    grads = []
+    for r_audio in (0.1, 0.9):
+        r = torch.stack([torch.full((3,), 0.7), torch.full((3,), r_audio)], 1)
+        loss, _ = routed_nft_loss(v, v_old, x_t, x0, t, r, masks, beta=1.0)
+        grads.append(torch.autograd.grad(loss, v)[0])
+    assert torch.equal(grads[0][:, :6], grads[1][:, :6])  # the audio reward does not move video elements
+    assert not torch.allclose(grads[0][:, 6:], grads[1][:, 6:])
+
+
+def test_sensitivity_is_the_autograd_norm_of_the_positive_minus_negative_gradient():
+    v, v_old, x_t, x0, t = _batch(seed=1)
+    beta = 0.5
+    masks = torch.zeros(2, 10, dtype=torch.bool)
+    masks[0, :7], masks[1, 7:] = True, True
+    elem = torch.rand(3, 10, generator=torch.Generator().manual_seed(2)) + 0.5
+    zeros = torch.zeros(3, 2)
+    tt = t[:, None]
+    pos_hat = x_t - tt * (beta * v.detach() + (1 - beta) * v_old)
+    neg_hat = x_t - tt * ((1 + beta) * v_old - beta * v.detach())
+    s = nft_sensitivity(pos_hat, neg_hat, x0, t, beta, masks, elem)
+    for b in range(2):
+        r1, r0 = zeros.clone(), zeros.clone()
+        r1[:, b] = 1.0
+        diff = routed_nft_loss(v, v_old, x_t, x0, t, r1, masks, beta=beta, elem_weight=elem)[0] \
+            - routed_nft_loss(v, v_old, x_t, x0, t, r0, masks, beta=beta, elem_weight=elem)[0]
+        (g,) = torch.autograd.grad(diff * 3, v)  # ×3 undoes the mean over samples
+        n_b = masks[b].sum()
+        expected = ((g * masks[b]) ** 2).sum(1) * (beta * 10 / n_b) ** 2  # undo the branch factor n_b/(n·β)
+        assert torch.allclose(s[:, b], expected, rtol=1e-4), b
+
+
+def test_gram_and_cosines_match_a_hand_computation():
+    # two samples, two rewards: reward 1 says sample 0 is good, reward 2 says sample 1 is.
+    a = torch.tensor([[0.5, -0.25], [-0.5, 0.25]])
+    s = torch.tensor([[1.0], [3.0]])  # one branch, sample 1 three times as sensitive
+    gram = reward_gradient_gram(a, s)
+    # G_kj = Σ_i s_i a_ik a_ij
+    assert torch.allclose(gram[0], torch.tensor([[1.0, -0.5], [-0.5, 0.25]]))
+    priors = torch.tensor([[0.8, 0.2]])
+    w, cos = residual_weights(priors, gram, active=True, strength=1.0, threshold=0.3, max_residual=2.0)
+
+    wgw = 0.8 * 0.7 + 0.2 * -0.35
+    assert cos[0].tolist() == pytest.approx([0.7 / math.sqrt(1.0 * wgw), -0.35 / math.sqrt(0.25 * wgw)], rel=1e-5)
+    assert cos[0, 0] == pytest.approx(1.0) and cos[0, 1] == pytest.approx(-1.0)  # the dominant vs the suppressed
+    rho = torch.tensor([0.0, min(2.0, 0.3 + 1.0)])
+    boosted = priors[0] * (1 + rho)
+    assert w[0].tolist() == pytest.approx((boosted * 1.0 / boosted.sum()).tolist(), rel=1e-5)
+    assert w.sum().item() == pytest.approx(1.0)  # the row keeps its prior mass
+
+
+def test_priors_are_untouched_in_warmup_and_when_rewards_agree_and_zero_priors_stay_zero():
+    a = torch.tensor([[0.4, 0.2, 0.3], [-0.4, -0.2, 0.1]])
+    gram = reward_gradient_gram(a, torch.ones(2, 2))
+    priors = routed_priors(torch.tensor([0.5, 0.4, 0.1]), torch.tensor([[True, True, False], [False, True, True]]))
+    w, _ = residual_weights(priors, gram, active=False)
+    assert w is priors  # warm-up: the priors themselves
+    agree = torch.tensor([[0.4, 0.2, 0.1], [-0.4, -0.2, -0.1]])  # perfectly correlated rewards: cos = 1
+    w, cos = residual_weights(priors, reward_gradient_gram(agree, torch.ones(2, 2)), active=True)
+    assert torch.allclose(w, priors) and torch.allclose(cos[priors > 0], torch.ones(4))
+    conflict = torch.tensor([[0.4, 0.2, -0.3], [-0.4, -0.2, 0.3]])
+    w, _ = residual_weights(priors, reward_gradient_gram(conflict, torch.ones(2, 2)), active=True)
+    assert w[0, 2] == 0 and w[1, 0] == 0  # not routed there: stays 0
+    assert w[1, 2] > priors[1, 2] and w[1, 1] < priors[1, 1]  # the suppressed reward gains on its branch
+    assert torch.allclose(w.sum(1), priors.sum(1))
+
+
+def test_branch_advantages_route_each_reward_to_its_branches():
+    concerns = torch.tensor([[True, False, True], [False, True, True]])  # video, audio, sync
+    w = routed_priors(torch.tensor([1.0, 2.0, 0.5]), concerns)
+    adv = torch.tensor([[1.0, -1.0, 2.0]])
+    assert branch_advantages(adv, w).tolist() == [[1.0 + 1.0, -2.0 + 1.0]]
+    with pytest.raises(ValueError, match="at least one branch"):
+        routed_priors(torch.ones(3), torch.tensor([[True, False, False], [True, False, False]]))
+
+
+def test_influence_weights_and_layer_scales_from_a_known_attention_pattern():
+    # one head; video queries attend to two audio tokens with values e1·2 and e2·2
+    probs = torch.tensor([[[1.0, 0.0], [0.5, 0.5]]])  # [B=1, N_video=2, N_audio=2]
+    values = torch.tensor([[[2.0, 0.0], [0.0, 2.0]]])
+    output = probs @ values  # [[2, 0], [1, 1]]
+    residual = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
+    u = response_ratio(output, residual)
+    assert u.tolist()[0] == pytest.approx([2.0, math.sqrt(2.0)])
+    w = token_weights(u, alpha=1.0)
+    mean = (2.0 + math.sqrt(2.0)) / 2
+    assert w.tolist()[0] == pytest.approx([2.0 / mean, math.sqrt(2.0) / mean])
+    assert torch.equal(token_weights(u, alpha=0.0), torch.ones(1, 2))
+    scales = layer_gradient_scales(torch.tensor([1.0, 2.0, 3.0, 10.0]), low=0.25, high=2.0)
+    assert scales.tolist() == pytest.approx([0.25, 0.5, 0.75, 2.0])  # mean 4: 1/4, 2/4, 3/4, 10/4 → clipped
