@@ -75,8 +75,7 @@ def test_gram_and_cosines_match_a_hand_computation():
     assert torch.allclose(gram[0], torch.tensor([[1.0, -0.5], [-0.5, 0.25]]))
     priors = torch.tensor([[0.8, 0.2]])
     w, cos = residual_weights(priors, gram, active=True, strength=1.0, threshold=0.3, max_residual=2.0)
-
-    wgw = 0.8 * 0.7 + 0.2 * -0.35
+    wgw = 0.8 * 0.7 + 0.2 * -0.35  # G w = [0.7, -0.35]
     assert cos[0].tolist() == pytest.approx([0.7 / math.sqrt(1.0 * wgw), -0.35 / math.sqrt(0.25 * wgw)], rel=1e-5)
     assert cos[0, 0] == pytest.approx(1.0) and cos[0, 1] == pytest.approx(-1.0)  # the dominant vs the suppressed
     rho = torch.tensor([0.0, min(2.0, 0.3 + 1.0)])
