@@ -4,6 +4,7 @@ Examples::
 
     flowalign train configs/shapes_flow_grpo.yaml                     # the built-in demo
     flowalign train configs/shapes_flow_grpo.yaml train.epochs=5 output_dir=runs/try
+    flowalign train configs/sd35m_flow_grpo_pickscore.yaml --dry-run    # check a recipe, say what it loads
     flowalign generate-groups configs/shapes_gdro.yaml --groups 512 && flowalign train configs/shapes_gdro.yaml
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 -m flowalign.cli train CONFIG
     flowalign grid --policies base runs/shapes-flow-grpo --prompts shapes:test --out grid.png
@@ -21,8 +22,17 @@ import torch
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="shapes-sd3", help="built-in demo name, local diffusers folder or hub id")
-    p.add_argument("--family", default="sd3", help="adapter family (default: sd3)")
+    p.add_argument("--config", default=None, help="a recipe whose model section (family, path, dtype, attention, "
+                                                  "size, kwargs) is used; the flags below override it")
+    p.add_argument("--model", default=None, help="built-in demo name, local diffusers folder or hub id "
+                                                 "(default: shapes-sd3)")
+    p.add_argument("--family", default=None, help="adapter family (default: sd3)")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="weights dtype (default: float32)")
+    p.add_argument("--attention", default=None, choices=("auto", "sdpa", "xformers"),
+                   help="attention backend (default: auto: xformers on CUDA when installed, else sdpa)")
+    p.add_argument("--model-kwargs", default=None, metavar="MAPPING",
+                   help="adapter options as a YAML/JSON mapping, e.g. '{max_sequence_length: 256}' (model.kwargs)")
     p.add_argument("--steps", type=int, default=10, help="sampling steps (ODE)")
     p.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale")
     p.add_argument("--seeds", default="0,1,2,3", help="comma-separated seeds; the same seed gives the same "
@@ -39,11 +49,48 @@ def _seeds(args) -> list[int]:
     return [int(s) for s in args.seeds.split(",")]
 
 
+def _model_loading(args) -> tuple[str, str, dict]:
+    """(model path, family, ``load_adapter`` settings) from --config's model section and the flags."""
+    from flowalign.config import ConfigError, load_config, parse_override
+    from flowalign.preflight import check_model
+
+    overrides = [f"model.{k}={v}" for k, v in (("path", args.model), ("family", args.family), ("dtype", args.dtype),
+                                                 ("attention", args.attention)) if v is not None]
+    if args.model_kwargs is not None:
+        _, kwargs = parse_override(f"x={args.model_kwargs}")
+        if not isinstance(kwargs, dict):
+            raise ConfigError(f"--model-kwargs must be a mapping, e.g. '{{max_sequence_length: 256}}', got "
+                              f"{args.model_kwargs!r}")
+        overrides.append(f"model.kwargs={args.model_kwargs}")
+    config = load_config(args.config, overrides)
+    check_model(_sampling_only(config))
+    model = config.model
+    loading = {"dtype": model.dtype, "attention": model.attention, "options": model.kwargs, "height": model.height,
+               "width": model.width, "num_frames": model.num_frames}
+    return model.path, model.family, loading
+
+
+def _sampling_only(config):
+    """``config`` with the method that fits its family: sampling commands train nothing, so the
+    recipe's method must not fail the family check."""
+    import dataclasses
+
+    from flowalign.preflight import adapter_for
+
+    prediction = getattr(adapter_for(config), "prediction", "velocity")
+    return dataclasses.replace(config, method="ddpo" if prediction in ("epsilon", "logits") else "flow_grpo")
+
+
 def cmd_train(args) -> int:
     from flowalign.config import load_config
     from flowalign.trainer import train
 
     config = load_config(args.config, args.overrides)
+    if args.dry_run:
+        from flowalign.preflight import dry_run
+
+        print(dry_run(config, args.config))
+        return 0
     summary = train(config)
     if summary.get("interrupted"):  # the trainer said where it stopped and how to continue
         return 0
@@ -71,7 +118,8 @@ def cmd_grid(args) -> int:
 
     prompts = args.prompt or [p["prompt"] for p in load_prompts(args.prompts)][: args.max_prompts]
     seeds, policies = _seeds(args), resolve_policies(args.policies)
-    per_policy = [sample_images(load_policy(p, args.model, args.family), prompts, seeds, args.steps, args.guidance)
+    model, family, loading = _model_loading(args)
+    per_policy = [sample_images(load_policy(p, model, family, **loading), prompts, seeds, args.steps, args.guidance)
                   for p in policies]
     if per_policy[0].ndim == 5:  # videos: one GIF per cell next to the contact-sheet grid
         gif_dir = Path(args.out).with_suffix("")
@@ -96,8 +144,9 @@ def cmd_eval(args) -> int:
 
     records = load_prompts(args.prompts)[: args.max_prompts]
     rewards = {name: build_reward(name) for name in args.rewards.split(",")}
-    summary = evaluate(resolve_policies(args.policies), records, rewards, args.out, model=args.model,
-                       family=args.family, seeds=_seeds(args), steps=args.steps, guidance=args.guidance)
+    model, family, loading = _model_loading(args)
+    summary = evaluate(resolve_policies(args.policies), records, rewards, args.out, model=model, family=family,
+                       seeds=_seeds(args), steps=args.steps, guidance=args.guidance, loading=loading)
     for label, entry in summary.items():
         print(label + ": " + ", ".join(f"{k} {v:.4f}" for k, v in entry.items() if isinstance(v, float)))
     print(f"wrote {args.out}/summary.json, summary.csv, samples.jsonl")
@@ -139,7 +188,8 @@ def cmd_sample(args) -> int:
 
     policy = Policy("trained", args.weights) if args.weights else Policy("base", None)
     seeds = _seeds(args)
-    images = sample_images(load_policy(policy, args.model, args.family), [args.prompt], seeds, args.steps,
+    model, family, loading = _model_loading(args)
+    images = sample_images(load_policy(policy, model, family, **loading), [args.prompt], seeds, args.steps,
                            args.guidance)
     for seed, image in zip(seeds, images):
         path = args.out.replace("{seed}", str(seed)) if "{seed}" in args.out else f"{args.out[:-4]}-{seed}.png"
@@ -158,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "from the latest checkpoint in output_dir.")
     p.add_argument("config", help="YAML recipe, e.g. configs/shapes_flow_grpo.yaml")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate the whole config (keys, rewards, method × family, adapter options) and print "
+                        "which weights, rewards and prompts it would load, without downloading or loading any")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("generate-groups", help="GDRO, phase 1: sample and score prompt groups once, to disk",

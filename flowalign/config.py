@@ -31,10 +31,21 @@ class ModelConfig:
     lora_rank: int = 32  # 0 = full fine-tuning of the transformer
     lora_alpha: Optional[float] = None  # default: = rank
     lora_targets: Optional[list[str]] = None  # default: the attention projections
+    # recompute each transformer block's activations in the backward pass (diffusers'
+    # enable_gradient_checkpointing): less memory, more time (docs/memory.md measures both)
     gradient_checkpointing: bool = False
-    attention: str = "sdpa"  # sdpa | xformers (CUDA only)
-    height: Optional[int] = None
+    # auto: xformers when it imports and the model is on CUDA, else PyTorch SDPA; sdpa; xformers (falls back
+    # to sdpa with a one-line message where it cannot run). pipelines/attention.py
+    attention: str = "auto"
+    height: Optional[int] = None  # pixels; None: the pipeline's default size
     width: Optional[int] = None
+    # video families (wan): frames per sample, 1 + a multiple of the VAE's temporal compression (Wan: 4k + 1);
+    # None: the pipeline's default (Wan: 81). Rewards receive float [B, num_frames, 3, H, W] (reward_models/base.py)
+    num_frames: Optional[int] = None
+    # options of the family's adapter, checked by name and type before any weight loads
+    # (pipelines.adapter_options), e.g. {max_sequence_length: 128} for sd3 / flux / wan, {true_cfg_scale: 4.0,
+    # negative_prompt: "..."} for flux, {vae_tiling: true, vae_slicing: true} for any family with a VAE
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -144,6 +155,7 @@ class EvalConfig:
     batch_size: int = 64
     grid_prompts: int = 12
     grid_seeds: int = 4
+    num_steps: Optional[int] = None  # ODE steps of the held-out samples; None: sampling.num_steps
     # rewards scored at every evaluation but never optimised (a reward-hacking check), e.g. [jpeg_compressibility]
     extra_rewards: list[str] = field(default_factory=list)
 
@@ -167,7 +179,7 @@ class RunConfig:
 
 CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
-    "model.attention": ("sdpa", "xformers"),
+    "model.attention": ("auto", "sdpa", "xformers"),
     "sampling.step_mode": ("all", "fraction", "window"),
     "sampling.sde": ("flow_grpo", "cps", "dance_grpo"),
     "explore.mode": ("none", "shape", "magnitude", "both"),
@@ -304,6 +316,7 @@ def check_values(config: RunConfig, where: str = "config") -> None:
         ("train.ema_decay", 0 <= t.ema_decay < 1, "must be in [0, 1)"),
         ("train.rng_shards", t.rng_shards is None or t.rng_shards >= 1, "must be ≥ 1 (or null: one per process)"),
         ("sampling.num_steps", s.num_steps >= 2, "must be ≥ 2 (the last step is never trained)"),
+        ("eval.num_steps", config.eval.num_steps is None or config.eval.num_steps >= 1, "must be ≥ 1 (or null)"),
         ("sampling.eta", s.eta > 0 or config.method in ("diffusion_nft", "gdro"),
          "must be > 0 to train with log-probabilities (η = 0 is ODE sampling; diffusion_nft and gdro allow it)"),
         ("train.train_batch_size", config.method != "gdro" or t.train_batch_size % t.group_size == 0,

@@ -74,10 +74,12 @@ def _final_epoch(run: Path) -> str | None:
     return f"epoch-{json.loads((run / 'metrics.json').read_text())['epochs']}"
 
 
-def load_policy(policy: Policy, model: str, family: str = "sd3"):
-    from pipelines import adapter_class
+def load_policy(policy: Policy, model: str, family: str = "sd3", **loading):
+    """The adapter of ``model`` with ``policy``'s weights; ``loading``: ``pipelines.load_adapter``'s
+    settings (dtype, attention, options = model.kwargs, height, width, num_frames)."""
+    from pipelines import load_adapter
 
-    return adapter_class(family).from_pretrained(model, trained=policy.weights)
+    return load_adapter(family, model, trained=policy.weights, **loading)
 
 
 def sample_images(adapter, prompts: list[str], seeds: list[int], steps: int, guidance: float,
@@ -105,11 +107,13 @@ def sample_pairs(adapter, pairs: list[tuple[str, int]], steps: int, guidance: fl
 
 
 def evaluate(policies: list[Policy], records: list[dict], rewards: dict, out_dir: str | Path, *, model: str,
-             family: str = "sd3", seeds: list[int], steps: int, guidance: float, batch_size: int = 16) -> dict:
+             family: str = "sd3", seeds: list[int], steps: int, guidance: float, batch_size: int = 16,
+             loading: dict | None = None) -> dict:
     """Score every policy × prompt record × seed with every reward; resumable (module docstring).
 
     rewards: {name: Reward}. Returns the summary: per policy, the mean of every ``reward/component``
-    overall and per category (the records' "tag"), and the category mean where there are tags."""
+    overall and per category (the records' "tag"), and the category mean where there are tags.
+    ``loading``: how each policy's adapter loads (``load_policy``)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     lines_path = out_dir / "samples.jsonl"
@@ -129,7 +133,7 @@ def evaluate(policies: list[Policy], records: list[dict], rewards: dict, out_dir
             mine = [(i, s) for p, i, s in todo if p == policy]
             if not mine:
                 continue
-            adapter = load_policy(policy, model, family)
+            adapter = load_policy(policy, model, family, **(loading or {}))
             for lo in range(0, len(mine), batch_size):
                 chunk = mine[lo:lo + batch_size]
                 images = sample_pairs(adapter, [(records[i]["prompt"], s) for i, s in chunk], steps, guidance)

@@ -48,7 +48,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from flowalign.advantages import PerPromptStatTracker, combine_rewards, extremes_mask, group_advantages
-from flowalign.config import ConfigError, RunConfig, check_values, to_dict
+from flowalign.config import ConfigError, RunConfig, to_dict
 from flowalign.grids import as_image_cells, save_grid, side_by_side, to_pil_grid
 from flowalign.objectives.diffusion_nft import diffusion_nft_loss, old_policy_decay, optimality_probability
 from flowalign.objectives.flow_grpo import flow_grpo_loss
@@ -58,7 +58,8 @@ from flowalign.prompts import load_prompts
 from flowalign.rollout import Trajectory, group_noise, rollout, transition
 from flowalign.samplers.unmasking import MaskedTrajectory
 from flowalign.samplers.steps import StepPlan, plan_steps, sliding_window_start
-from pipelines import adapter_class
+from flowalign.preflight import check_method_family, validate
+from pipelines import adapter_class, load_adapter
 from reward_models.base import build_reward
 
 EVAL_SEED = 20_241_202  # the held-out evaluation always uses the same noise: before/after are paired
@@ -154,7 +155,7 @@ class Trainer:
     """``Trainer(config).train()`` runs a whole experiment; ``history`` holds one dict per epoch."""
 
     def __init__(self, config: RunConfig):
-        check_values(config)
+        validate(config)  # every check that needs no weights (flowalign/preflight.py: also `train --dry-run`)
         self.config = config
         t, s = config.train, config.sampling
         self.out = Path(config.output_dir)
@@ -164,7 +165,6 @@ class Trainer:
         # masked discrete diffusion (chess): known from the family's class, before any model loads
         self.discrete = _family_prediction(config.model.family) == "logits"
         if self.discrete:
-            self._check_discrete()
             self.masked_steps = masked_trained_steps(s.num_steps, s.unmask_schedule)
         # backward passes per optimizer step: one per trained step of the rollout, or per noising
         # draw for DiffusionNFT and GDRO (Accelerate's gradient accumulation, so DDP syncs and DeepSpeed
@@ -199,13 +199,11 @@ class Trainer:
                               f"returns {list(declared)}")
 
         m = config.model
-        self.adapter = adapter_class(m.family).from_pretrained(
-            m.path, dtype=m.dtype, device=acc.device, height=m.height, width=m.width)
-        prediction = getattr(self.adapter, "prediction", "velocity")
-        if (prediction in ("epsilon", "logits")) != (config.method == "ddpo"):
-            raise ConfigError(f"config: method {config.method!r} does not apply to model family {m.family!r} "
-                              f"({prediction} prediction): use ddpo for sd / sdxl / chess, any other method for "
-                              "flow models")
+        self._check_modality()
+        # attention is set here, before the LoRA and any frozen reference copy; num_frames only when set
+        self.adapter = load_adapter(m.family, m.path, dtype=m.dtype, device=acc.device, height=m.height,
+                                    width=m.width, num_frames=m.num_frames, attention=m.attention, options=m.kwargs)
+        check_method_family(config.method, m.family, getattr(self.adapter, "prediction", "velocity"))
         if m.lora_rank > 0:
             with torch.random.fork_rng(devices=[]):  # the LoRA's random init is part of the run's seed
                 torch.manual_seed(t.seed)
@@ -214,8 +212,6 @@ class Trainer:
             self.adapter.enable_full_finetune(keep_reference=t.kl_beta > 0)
         if m.gradient_checkpointing:
             self.adapter.enable_gradient_checkpointing()
-        if m.attention == "xformers":
-            self.adapter.enable_xformers()
         self.params = [p for p in self.adapter.trainable().parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(self.params, lr=t.learning_rate, betas=tuple(t.adam_betas),
                                       weight_decay=t.weight_decay)
@@ -252,20 +248,26 @@ class Trainer:
                              e.hidden).to(self.accelerator.device)
         return net, torch.optim.Adam(net.parameters(), lr=e.learning_rate)
 
-    def _check_discrete(self) -> None:
-        """What masked discrete diffusion does not support (before the model loads)."""
-        cfg, t, s = self.config, self.config.train, self.config.sampling
-        problems = [
-            ("method", cfg.method == "ddpo", f"must be ddpo for a masked-diffusion family ({cfg.model.family!r}), "
-                                              f"got {cfg.method!r}"),
-            ("sampling.step_mode", s.step_mode == "all", "must be all for masked diffusion (every unmasking step is "
-                                                         "sampled from the policy and trained)"),
-            ("train.per_reward_advantages", not t.per_reward_advantages,
-             "is not supported for masked diffusion (one advantage per sample)"),
-        ]
-        for key, ok, message in problems:
-            if not ok:
-                raise ConfigError(f"config: {key} {message}")
+    def _check_modality(self) -> None:
+        """Video families (the adapter class's ``modality``) take ``model.num_frames`` and rewards
+        that score videos; a reward declaring ``modality = "image"`` is refused (before the model
+        loads) with the per-frame wrapper that scores it on every frame."""
+        cfg = self.config
+        video = getattr(adapter_class(cfg.model.family), "modality", "image") == "video"
+        if cfg.model.num_frames is not None and not video:
+            raise ConfigError(f"config: model.num_frames is for video families (wan); {cfg.model.family!r} makes "
+                              "single images: remove it")
+        if not video:
+            return
+        if getattr(self.reward, "modality", None) == "image":
+            raise ConfigError(f"config: reward {cfg.reward.name!r} scores images, model family {cfg.model.family!r} "
+                              f"makes videos: score every frame with reward.name=per_frame and reward.kwargs="
+                              f"{{reward: {cfg.reward.name}}} (reward_models/video.py)")
+        for name, reward in zip(cfg.eval.extra_rewards, self.extra_rewards):
+            if getattr(reward, "modality", None) == "image":
+                raise ConfigError(f"config: eval.extra_rewards: {name!r} scores images, model family "
+                                  f"{cfg.model.family!r} makes videos (an extra reward takes no options, so it "
+                                  "cannot be wrapped in per_frame: name a video reward)")
 
     def _check_backend(self, accumulation: int) -> None:
         """FSDP and DeepSpeed: settings the loop needs (untested here: no GPU, docs/distributed.md)."""
@@ -840,10 +842,11 @@ class Trainer:
                 latents.append(self._masked_rollout(self.adapter.encode([p["prompt"] for p in sub]), generator).samples)
             return torch.cat(latents)
         noise = self.adapter.initial_noise(len(specs), generator)
-        schedule = self.adapter.schedule(s.num_steps)
+        steps = e.num_steps or s.num_steps
+        schedule = self.adapter.schedule(steps)
         for lo in range(0, len(specs), e.batch_size):
             sub = specs[lo:lo + e.batch_size]
-            plan = plan_steps(s.num_steps, len(sub), 0.0)
+            plan = plan_steps(steps, len(sub), 0.0)
             traj = rollout(self.adapter, self.adapter.encode([p["prompt"] for p in sub]), noise[lo:lo + len(sub)],
                            schedule, plan, guidance_scale=s.guidance_scale)
             latents.append(traj.samples)

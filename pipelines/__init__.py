@@ -1,10 +1,26 @@
-"""Model adapters around diffusers pipelines, one per family, and offline tiny-model builders."""
+"""Model adapters around diffusers pipelines, one per family, and offline tiny-model builders.
+
+``load_adapter`` is the one place an adapter is built (the trainer, ``flowalign sample / grid /
+eval``): it checks the family's options, loads the weights and sets the attention backend.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+import typing
 
 from pipelines.base import Adapter, Conditioning, ModelNotFoundError, Schedule, resolve_model_path
 
 FAMILIES = {"sd3": "pipelines.sd3:SD3Adapter", "sd": "pipelines.sd:SDAdapter", "sdxl": "pipelines.sdxl:SDXLAdapter",
             "flux": "pipelines.flux:FluxAdapter", "wan": "pipelines.wan:WanAdapter"}
 FAMILIES["chess"] = "pipelines.chess:ChessAdapter"  # masked discrete diffusion (prediction "logits")
+
+# constructor arguments that have their own setting (model.height, ...) or that the loader sets
+LOADER_ARGUMENTS = ("self", "pipe", "device", "height", "width", "num_frames")
+# options every image / video adapter takes besides its constructor's: decode-time VAE switches
+# (DenoiserAdapter.enable_vae_tiling / enable_vae_slicing: less memory, tiling changes seams slightly)
+LOAD_OPTIONS = {"vae_tiling": bool, "vae_slicing": bool}
 
 
 def adapter_class(family: str):
@@ -17,4 +33,86 @@ def adapter_class(family: str):
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["Adapter", "Conditioning", "ModelNotFoundError", "Schedule", "adapter_class", "resolve_model_path"]
+def adapter_options(family: str) -> dict[str, tuple[object, object]]:
+    """The options ``model.kwargs`` may set for ``family``: name → (type annotation, default).
+    They are the adapter constructor's keyword arguments (less those with a setting of their own)
+    and, for the families with a VAE, ``LOAD_OPTIONS``."""
+    cls = adapter_class(family)
+    hints = typing.get_type_hints(cls.__init__)
+    options = {name: (hints.get(name, typing.Any), p.default)
+               for name, p in inspect.signature(cls.__init__).parameters.items()
+               if name not in LOADER_ARGUMENTS and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    pipeline = getattr(cls, "pipeline_class", None)
+    has_vae = pipeline is not None and "vae" in pipeline._get_signature_keys(pipeline)[0]
+    if hasattr(cls, "enable_vae_tiling") and has_vae:
+        options.update({name: (tp, False) for name, tp in LOAD_OPTIONS.items()})
+    return options
+
+
+def check_adapter_options(family: str, options: dict) -> None:
+    """Raise ``ValueError`` naming the first option ``family``'s adapter does not take, or whose
+    value has the wrong type."""
+    accepted = adapter_options(family)
+    cls_name = adapter_class(family).__name__
+    for name, value in options.items():
+        if name not in accepted:
+            own = f" (it has its own setting: model.{name})" if name in LOADER_ARGUMENTS[3:] else ""
+            raise ValueError(f"{name!r} is not an option of {cls_name} (model family {family!r}){own}; "
+                             f"it accepts: {', '.join(accepted) or 'none'}")
+        tp, _ = accepted[name]
+        if not _matches(value, tp):
+            raise ValueError(f"{name!r} of {cls_name} must be {_type_text(tp)}, got {type(value).__name__} {value!r}")
+
+
+def _matches(value, tp) -> bool:
+    if tp is typing.Any:
+        return True
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp in (int, str, bool):
+        return isinstance(value, tp) and (tp is bool or not isinstance(value, bool))
+    origin = typing.get_origin(tp) or tp
+    return not isinstance(origin, type) or isinstance(value, origin)
+
+
+def _type_text(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def load_adapter(family: str, path: str, *, dtype: str = "float32", device="cpu", trained=None,
+                 height: int | None = None, width: int | None = None, num_frames: int | None = None,
+                 attention: str = "auto", options: dict | None = None):
+    """An adapter of ``family`` loaded from ``path`` (a built-in demo name, a local diffusers folder
+    or a hub id), ``trained`` weights fused in when given (a ``save_trained`` folder).
+
+    ``options``: ``model.kwargs``, checked against ``adapter_options(family)`` before any weight
+    loads. ``attention``: auto | sdpa | xformers (``pipelines.attention``), applied to the
+    pipeline's diffusers models before any LoRA or frozen reference copy is made, so those share it.
+    ``height``, ``width``, ``num_frames``: passed only when set (families without a size refuse them).
+    """
+    from pipelines.attention import announce, resolve_attention
+
+    cls = adapter_class(family)
+    options = dict(options or {})
+    check_adapter_options(family, options)
+    backend, message = resolve_attention(attention, device, getattr(cls, "supports_xformers", True))
+    switches = {name: options.pop(name) for name in LOAD_OPTIONS if name in options}
+    sizes = {k: v for k, v in (("height", height), ("width", width), ("num_frames", num_frames)) if v is not None}
+    adapter = cls.from_pretrained(path, dtype=dtype, device=device, trained=trained, **sizes, **options)
+    announce(message)
+    if backend == "xformers":
+        adapter.enable_xformers()
+    adapter.attention = backend
+    if switches.get("vae_tiling"):
+        adapter.enable_vae_tiling()
+    if switches.get("vae_slicing"):
+        adapter.enable_vae_slicing()
+    return adapter
+
+
+__all__ = ["Adapter", "Conditioning", "ModelNotFoundError", "Schedule", "adapter_class", "adapter_options",
+           "check_adapter_options", "load_adapter", "resolve_model_path"]

@@ -64,7 +64,9 @@ class Schedule:
 
 
 class Adapter(Protocol):
-    """One model family. ``prediction`` is "velocity" (flow matching), "epsilon" or "logits"."""
+    """One model family. ``prediction`` is "velocity" (flow matching), "epsilon" or "logits".
+    ``modality`` (optional class attribute, "image" when absent): "video" for a family whose
+    ``decode`` returns frames float [B, F, 3, H, W] and whose constructor takes ``num_frames``."""
 
     prediction: str
 

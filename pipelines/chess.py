@@ -150,6 +150,8 @@ class ChessAdapter(DenoiserAdapter):
     pipeline_class = ChessPuzzlePipeline
     model_folder = "model"
     lora_targets = LORA_TARGETS
+    supports_xformers = False  # its blocks call torch's scaled_dot_product_attention directly
+    supports_gradient_checkpointing = False
 
     def __init__(self, pipe: ChessPuzzlePipeline, *, device: str | torch.device = "cpu"):
         # Not DenoiserAdapter.__init__: it reads image sizes off a VAE this family does not have.

@@ -55,6 +55,7 @@ class WanAdapter(DenoiserAdapter):
 
     prediction = "velocity"
     family = "wan"
+    modality = "video"  # decode gives frames [B, F, 3, H, W]; the trainer passes model.num_frames
     pipeline_class = WanPipeline
     model_folder = "transformer"
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")  # self- and cross-attention projections

@@ -56,6 +56,7 @@ class Aesthetic(Reward):
     """
 
     components = ("aesthetic",)
+    modality = "image"
 
     def __init__(self, mlp_path: str, clip_path: str = "openai/clip-vit-large-patch14", device: str | None = None):
         from transformers import CLIPImageProcessor, CLIPModel

@@ -20,13 +20,25 @@ ENTRY_POINT_GROUP = "flowalign.rewards"
 class Reward:
     """Base class of rewards. Subclasses set ``components`` and implement ``__call__``.
 
-    ``__call__(samples, prompts, metadata)``: samples are decoded outputs (images: float
-    [B, 3, H, W] in [0, 1]); prompts a list of B strings; metadata a list of B dicts. Returns
-    ``{component: float Tensor [B]}``. A NaN marks a sample the reward could not score; the
-    trainer drops such samples and counts them.
+    ``__call__(samples, prompts, metadata)``: samples are decoded outputs, in the layout of the
+    model family that made them:
+
+    * images: float [B, 3, H, W] in [0, 1] (sd3, sd, sdxl, flux);
+    * videos: float [B, F, 3, H, W] in [0, 1], F frames in time order (wan; the layout of
+      diffusers' ``output_type="pt"`` video frames);
+    * boards: a list of B FEN strings (chess).
+
+    prompts a list of B strings; metadata a list of B dicts. Returns ``{component: float
+    Tensor [B]}``. A NaN marks a sample the reward could not score; the trainer drops such
+    samples and counts them.
+
+    ``modality``: the samples the reward scores, "image" or "video" (None: not declared, not
+    checked). The trainer refuses an "image" reward for a video family before the model loads;
+    ``per_frame`` (``reward_models/video.py``) applies an image reward to every frame instead.
     """
 
     components: tuple[str, ...] = ()
+    modality: str | None = None
 
     def __call__(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -55,6 +67,7 @@ def _load_builtins_and_plugins() -> None:
     import reward_models.pref_grpo  # noqa: F401
     import reward_models.remote  # noqa: F401
     import reward_models.shapes  # noqa: F401
+    import reward_models.video  # noqa: F401
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name not in _REGISTRY:

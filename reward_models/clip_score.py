@@ -37,6 +37,7 @@ class ClipScore(Reward):
     """
 
     components = ("clip_score",)
+    modality = "image"
 
     def __init__(self, model: str = "hf-hub:laion/CLIP-ViT-B-32-laion2B-s34B-b79K", device: str | None = None):
         self.model, self.preprocess, self.tokenizer = load_open_clip(model, pick_device(device))

@@ -42,6 +42,7 @@ class HPSv2(Reward):
     """
 
     components = ("hpsv2",)
+    modality = "image"
 
     def __init__(self, checkpoint: str = "HPS_v2.1_compressed.pt", arch: str = "ViT-H-14", repo: str = HPS_REPO,
                  device: str | None = None):

@@ -30,6 +30,7 @@ class JpegCompressibility(Reward):
     """
 
     components = ("jpeg_compressibility",)
+    modality = "image"  # JpegIncompressibility inherits it
 
     def __init__(self, quality: int = 95):
         self.quality = quality

@@ -78,6 +78,7 @@ class OcrReward(Reward):
     """
 
     components = ("ocr",)
+    modality = "image"
 
     def __init__(self, tesseract_config: str = "--psm 11", lang: str = "eng", workers: int = 4,
                  tesseract_cmd: str | None = None):

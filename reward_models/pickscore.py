@@ -24,6 +24,7 @@ class PickScore(Reward):
     """
 
     components = ("pickscore",)
+    modality = "image"
 
     def __init__(self, model: str = "yuvalkirstain/PickScore_v1",
                  processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", device: str | None = None):

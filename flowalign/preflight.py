@@ -1,0 +1,340 @@
+"""Everything about a run that can be checked, and said, without loading or downloading a weight.
+
+``validate(config)`` is what ``Trainer`` runs first and what ``flowalign train RECIPE --dry-run``
+runs alone: the family exists and fits the method, ``model.kwargs`` are options its adapter takes,
+the reward and the extra evaluation rewards are registered and take the given ``reward.kwargs``,
+``reward.weights`` name components the reward returns. ``dry_run(config)`` adds what the run would
+load (hub id or folder, components, LoRA or full, dtypes, attention, rewards and their weights,
+prompt sets, derived batch totals) and the inputs missing on this machine, as text.
+
+Nothing here calls ``from_pretrained`` or the network: a hub id is only looked up in the local
+Hugging Face cache (``huggingface_hub.try_to_load_from_cache``), and rewards are inspected by their
+constructor signatures, never built.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import types
+from pathlib import Path
+
+import torch
+
+from flowalign.config import ConfigError, RunConfig, check_values
+
+# the methods that train on log-probabilities of ε-prediction (DDIM) or masked-diffusion steps
+EPSILON_OR_LOGITS_METHODS = ("ddpo",)
+
+
+def check_method_family(method: str, family: str, prediction: str) -> None:
+    """ddpo for ε-prediction (sd, sdxl) and masked-diffusion (chess) families, any other method for
+    flow (velocity) families."""
+    if (prediction in ("epsilon", "logits")) != (method in EPSILON_OR_LOGITS_METHODS):
+        raise ConfigError(f"config: method {method!r} does not apply to model family {family!r} "
+                          f"({prediction} prediction): use ddpo for sd / sdxl / chess, any other method for "
+                          "flow models")
+
+
+def check_discrete(config: RunConfig) -> None:
+    """What masked discrete diffusion (the chess family) does not support."""
+    t, s = config.train, config.sampling
+    problems = [
+        ("method", config.method == "ddpo", f"must be ddpo for a masked-diffusion family ({config.model.family!r}), "
+                                            f"got {config.method!r}"),
+        ("sampling.step_mode", s.step_mode == "all", "must be all for masked diffusion (every unmasking step is "
+                                                     "sampled from the policy and trained)"),
+        ("train.per_reward_advantages", not t.per_reward_advantages,
+         "is not supported for masked diffusion (one advantage per sample)"),
+    ]
+    for key, ok, message in problems:
+        if not ok:
+            raise ConfigError(f"config: {key} {message}")
+
+
+def adapter_for(config: RunConfig):
+    """The adapter class of ``model.family`` (ConfigError for an unknown family)."""
+    from pipelines import FAMILIES, adapter_class
+
+    if config.model.family not in FAMILIES:
+        raise ConfigError(f"config: model.family: unknown model family {config.model.family!r}; available: "
+                          f"{', '.join(sorted(FAMILIES))}")
+    return adapter_class(config.model.family)
+
+
+def check_model(config: RunConfig):
+    """Family, method, adapter options and switches; returns the adapter class."""
+    from pipelines import check_adapter_options
+
+    m = config.model
+    cls = adapter_for(config)
+    prediction = getattr(cls, "prediction", "velocity")
+    check_method_family(config.method, m.family, prediction)
+    if prediction == "logits":
+        check_discrete(config)
+    for key, value in m.kwargs.items():
+        try:
+            check_adapter_options(m.family, {key: value})
+        except ValueError as error:
+            raise ConfigError(f"config: model.kwargs.{key}: {error}") from None
+    if m.gradient_checkpointing and not getattr(cls, "supports_gradient_checkpointing", True):
+        raise ConfigError(f"config: model.gradient_checkpointing is not supported by the {m.family!r} family; "
+                          "set it to false")
+    if config.explore.mode != "none" and prediction != "velocity":  # Trainer._build_explorer checks it again, loaded
+        raise ConfigError("config: explore.mode needs a flow model (its SDE steps); DDIM has no exploration net")
+    return cls
+
+
+def reward_factory(name: str, key: str):
+    """The registered factory of reward ``name`` (ConfigError naming ``key`` when unknown)."""
+    from reward_models.base import _REGISTRY, available_rewards
+
+    names = available_rewards()  # loads the built-ins and the plug-ins
+    if name not in _REGISTRY:
+        raise ConfigError(f"config: {key}: unknown reward {name!r}; available: {', '.join(names)}")
+    return _REGISTRY[name]
+
+
+def reward_arguments(factory, kwargs: dict, name: str, key: str) -> dict[str, tuple[object, bool]]:
+    """``kwargs`` checked against the factory's signature → every argument: (value, given). A
+    factory taking ``**kwargs`` accepts any name."""
+    parameters = dict(inspect.signature(factory).parameters)
+    parameters.pop("self", None)
+    open_ended = any(p.kind == p.VAR_KEYWORD for p in parameters.values())
+    named = {n: p for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    for arg in kwargs:
+        if arg not in named and not open_ended:
+            raise ConfigError(f"config: {key}.{arg}: reward {name!r} takes no argument {arg!r}; it accepts: "
+                              f"{', '.join(named) or 'none'}")
+    missing = [n for n, p in named.items() if p.default is p.empty and n not in kwargs]
+    if missing:
+        raise ConfigError(f"config: {key}.{missing[0]}: reward {name!r} needs it (no default)")
+    values = {n: (p.default, False) for n, p in named.items()}
+    values.update({n: (v, True) for n, v in kwargs.items()})
+    return values
+
+
+def check_rewards(config: RunConfig, adapter_cls=None) -> None:
+    """The reward, its arguments and weights, the extra evaluation rewards; for a video family, no
+    image-only reward (the trainer's own modality check, on the reward classes)."""
+    r = config.reward
+    factory = reward_factory(r.name, "reward.name")
+    reward_arguments(factory, r.kwargs, r.name, "reward.kwargs")
+    declared = getattr(factory, "components", ()) if isinstance(factory, type) else ()
+    unknown = sorted(set(r.weights) - set(declared)) if declared else []
+    if unknown:
+        raise ConfigError(f"config: reward.weights names {unknown}, but reward {r.name!r} returns {list(declared)}")
+    extras = []
+    for i, name in enumerate(config.eval.extra_rewards):
+        extra = reward_factory(name, f"eval.extra_rewards[{i}]")
+        reward_arguments(extra, {}, name, f"eval.extra_rewards[{i}] (no options can be given)")
+        extras.append(extra)
+    if adapter_cls is not None:
+        from flowalign.trainer import Trainer
+
+        # the trainer's check reads ``modality`` off the built rewards; a class carries the same attribute
+        Trainer._check_modality(types.SimpleNamespace(config=config, reward=factory, extra_rewards=extras))
+
+
+def validate(config: RunConfig) -> None:
+    """Every check that needs no weights (raises ConfigError, or ModelNotFoundError for a missing
+    local model folder)."""
+    from pipelines.base import resolve_model_path
+
+    check_values(config)
+    cls = check_model(config)
+    check_rewards(config, cls)
+    resolve_model_path(config.model.path)  # a missing local folder fails here (ModelNotFoundError); a hub id passes
+
+
+# -- the dry run ----------------------------------------------------------------------------
+def dry_run(config: RunConfig, recipe: str | None = None) -> str:
+    """Validate ``config`` and say what training it would load and do (text, one fact a line)."""
+    validate(config)
+    cls = adapter_for(config)
+    warnings: list[str] = []
+    lines = [("recipe", recipe or "(defaults)"), ("method", _method_text(config, cls))]
+    lines += _model_lines(config, cls, warnings)
+    lines += _reward_lines(config, warnings)
+    lines += _data_lines(config, warnings)
+    lines += _batch_lines(config, cls)
+    lines.append(("output", f"{config.output_dir} (checkpoints every {config.checkpoint_every or 'end'} "
+                            f"epochs, {config.checkpoints_kept} kept; tracker {config.tracker})"))
+    width = max(len(k) for k, _ in lines)
+    out = [f"dry run: {recipe or 'the configuration'} is valid; nothing was downloaded or loaded"]
+    out += [f"  {k.ljust(width)}  {v}" for k, v in lines]
+    out += [f"  warning: {w}" for w in warnings]
+    return "\n".join(out)
+
+
+def _method_text(config: RunConfig, cls) -> str:
+    s = config.sampling
+    prediction = getattr(cls, "prediction", "velocity")
+    if prediction == "velocity":
+        step = f"{s.sde} SDE step, η={s.eta:g}"
+    elif prediction == "epsilon":
+        step = f"DDIM step with log-prob, η={s.eta:g}"
+    else:
+        step = f"masked unmasking ({s.unmask_schedule}, temperature {s.temperature:g})"
+    return (f"{config.method} (flowalign/objectives), {step}, {s.num_steps} steps, CFG {s.guidance_scale:g}; "
+            f"{cls.__name__} ({cls.__module__.replace('.', '/')}.py, {prediction} prediction)")
+
+
+def _model_lines(config: RunConfig, cls, warnings: list[str]) -> list[tuple[str, str]]:
+    from pipelines import adapter_options
+    from pipelines.attention import resolve_attention, xformers_unavailable
+
+    m = config.model
+    source, index = _weights_source(m.path)
+    lines = [("weights", source)]
+    components = _components(cls, m.path, index)
+    trained = getattr(cls, "model_folder", "?")
+    if m.lora_rank > 0:
+        targets = ", ".join(m.lora_targets or getattr(cls, "lora_targets", ()))
+        lines.append(("trains", f"LoRA on {trained}: r={m.lora_rank}, alpha={m.lora_alpha or m.lora_rank:g}, "
+                                f"targets {targets} (LoRA weights float32, base frozen in {m.dtype})"))
+    else:
+        reference = " + a frozen reference copy for the KL" if config.train.kl_beta > 0 else ""
+        lines.append(("trains", f"all of {trained} (full fine-tuning{reference}), weights in {m.dtype}"))
+    lines.append(("components", components))
+    lines.append(("precision", f"frozen weights {m.dtype}; mixed precision {config.train.mixed_precision}"))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    backend, message = resolve_attention(m.attention, device, getattr(cls, "supports_xformers", True))
+    supported = getattr(cls, "supports_xformers", True)
+    why = f": {xformers_unavailable(device, supported)}" if backend == "sdpa" and m.attention != "sdpa" else ""
+    lines.append(("attention", f"{m.attention} → {backend} on this machine ({device}{why})"))
+    if message:
+        warnings.append(message.removeprefix("flowalign: "))
+    lines.append(("grad ckpt", "on" if m.gradient_checkpointing else "off"))
+    size = "×".join(str(v) for v in (m.height, m.width)) if m.height or m.width else "the pipeline's default"
+    if m.num_frames is not None:
+        size += f", {m.num_frames} frames"
+    lines.append(("size", size))
+    options = adapter_options(m.family)
+    shown = ", ".join(f"{k}={m.kwargs[k]!r}" if k in m.kwargs else f"{k}={d!r} (default)"
+                      for k, (_, d) in options.items())
+    lines.append(("model.kwargs", shown or "none (this family takes no options)"))
+    return lines
+
+
+def _weights_source(path: str) -> tuple[str, dict | None]:
+    """(what ``model.path`` names, its model_index.json when readable without the network)."""
+    from pipelines.base import DEMO_MODELS_DIR, resolve_model_path
+
+    resolved = resolve_model_path(path)
+    folder = Path(resolved)
+    if folder.is_dir():
+        kind = "built-in demo model" if folder.parent == DEMO_MODELS_DIR else "local folder"
+        index = folder / "model_index.json"
+        return f"{kind} {folder.resolve()}", json.loads(index.read_text()) if index.is_file() else None
+    cached = None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(path, "model_index.json")
+        cached = hit if isinstance(hit, str) else None
+    except Exception:  # noqa: BLE001  (a malformed id: from_pretrained will say so at training time)
+        cached = None
+    where = "in the local Hugging Face cache" if cached else "not in the local Hugging Face cache: downloaded " \
+                                                             "on first use"
+    return f"hub id {path} ({where})", json.loads(Path(cached).read_text()) if cached else None
+
+
+def _components(cls, path: str, index: dict | None) -> str:
+    """The pipeline parts that would load: from model_index.json when known, else the pipeline class."""
+    pipeline = getattr(cls, "pipeline_class", None)
+    skipped = {k for k, v in cls.pipeline_kwargs(path).items() if v is None} if hasattr(cls, "pipeline_kwargs") \
+        else set()
+    if index is not None:
+        parts = [k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[0] is not None]
+        absent = [k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[0] is None]
+        text = f"{getattr(pipeline, '__name__', '?')}: " + ", ".join(p for p in parts if p not in skipped)
+        skipped |= set(absent)
+    else:
+        expected, _ = pipeline._get_signature_keys(pipeline)
+        model_folder = getattr(cls, "model_folder", None)
+        optional = set(getattr(pipeline, "_optional_components", [])) - skipped - {model_folder}
+        required = [k for k in expected if k not in optional and k not in skipped]
+        text = f"{pipeline.__name__}: " + ", ".join(required)
+        if optional:
+            text += f" (+ {', '.join(sorted(optional))} if the repo has them)"
+    if skipped:
+        text += f"; not loaded: {', '.join(sorted(skipped))}"
+    return text
+
+
+def _reward_lines(config: RunConfig, warnings: list[str]) -> list[tuple[str, str]]:
+    r = config.reward
+    factory = reward_factory(r.name, "reward.name")
+    lines = [("reward", f"{r.name} ({_qualname(factory)}): {_arguments_text(factory, r.kwargs, r.name, warnings)}"),
+             ("reward weights", ", ".join(f"{k} × {v:g}" for k, v in r.weights.items()))]
+    for name in config.eval.extra_rewards:
+        extra = reward_factory(name, "eval.extra_rewards")
+        lines.append(("eval extra", f"{name} ({_qualname(extra)}): {_arguments_text(extra, {}, name, warnings)}"))
+    return lines
+
+
+def _qualname(factory) -> str:
+    return f"{factory.__module__}.{factory.__qualname__}"
+
+
+def _arguments_text(factory, kwargs: dict, name: str, warnings: list[str]) -> str:
+    values = reward_arguments(factory, kwargs, name, "reward.kwargs")
+    parts = []
+    for arg, (value, given) in values.items():
+        parts.append(f"{arg}={value!r}" + ("" if given else " (default)"))
+        local = isinstance(value, str) and value.startswith(("/", "./", "../", "~"))
+        if local and not Path(value).expanduser().exists():
+            warnings.append(f"reward {name!r}: {arg}={value!r} does not exist here (training would fail to load it)")
+    return ", ".join(parts) or "no arguments"
+
+
+def _data_lines(config: RunConfig, warnings: list[str]) -> list[tuple[str, str]]:
+    d = config.data
+    lines = [("train prompts", _prompt_text(d.train_prompts, warnings)),
+             ("eval prompts", _prompt_text(d.eval_prompts, warnings) + f"; {config.eval.seeds} seed(s) each, "
+                              f"{config.eval.num_steps or config.sampling.num_steps} ODE steps, "
+                              + (f"every {config.eval.every} epochs" if config.eval.every else "at the start and end"))]
+    if d.offline_groups:
+        there = Path(d.offline_groups).is_dir()
+        lines.append(("offline groups", f"{d.offline_groups} ({'present' if there else 'absent'})"))
+        if not there and config.method == "gdro":
+            warnings.append(f"data.offline_groups {d.offline_groups} does not exist: run `flowalign generate-groups` "
+                            "with this recipe first")
+    return lines
+
+
+def _prompt_text(source: str, warnings: list[str]) -> str:
+    from flowalign.prompts import load_prompts
+
+    try:
+        records = load_prompts(source)
+    except FileNotFoundError as error:
+        warnings.append(str(error))
+        return f"{source} (not found here)"
+    tags = {r.get("tag") for r in records if r.get("tag")}
+    return f"{source} ({len(records)} prompts" + (f", {len(tags)} categories)" if tags else ")")
+
+
+def _batch_lines(config: RunConfig, cls) -> list[tuple[str, str]]:
+    from flowalign.samplers.steps import plan_steps
+
+    t, s = config.train, config.sampling
+    samples = t.groups_per_epoch * t.group_size
+    updates = math.ceil(samples / t.train_batch_size) * t.inner_epochs
+    if getattr(cls, "prediction", "velocity") == "logits":
+        trained = "the unmasking steps that unmask a position"
+    elif config.method in ("diffusion_nft", "gdro"):
+        trained = f"{t.noise_draws} noising draws per sample (forward process)"
+    else:
+        plan = plan_steps(s.num_steps, 1, s.eta, s.step_mode, fraction=s.fraction, window_size=s.window_size,
+                          window_start=s.window_start if s.window_start is not None else 0,
+                          generator=torch.Generator().manual_seed(0))
+        trained = f"{int(plan.trained.sum())} of {s.num_steps} steps trained per sample ({s.step_mode})"
+    return [("per epoch", f"{t.groups_per_epoch} prompts × {t.group_size} samples = {samples} per process, rolled out "
+                          f"{t.sample_batch_size} at a time; {updates} optimizer steps of {t.train_batch_size} samples "
+                          f"× {t.inner_epochs} inner epoch(s); {trained}"),
+            ("optimizer", f"AdamW lr {t.learning_rate:g}, weight decay {t.weight_decay:g}, clip range "
+                          f"{t.clip_range:g}, KL β {t.kl_beta:g}, max grad norm {t.max_grad_norm:g}, "
+                          f"{t.epochs} epochs" + (f", EMA {t.ema_decay:g}" if t.ema_decay else ""))]
