@@ -46,6 +46,12 @@ class ModelConfig:
     # (pipelines.adapter_options), e.g. {max_sequence_length: 128} for sd3 / flux / wan, {true_cfg_scale: 4.0,
     # negative_prompt: "..."} for flux, {vae_tiling: true, vae_slicing: true} for any family with a VAE
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # prompt conditionings kept (LRU; 0 = encode every time): a fixed prompt set of at most this
+    # many prompts is encoded once per run (pipelines.base.PromptEmbeddingCache)
+    prompt_cache_size: int = 1024
+    # keep the frozen text encoders on the CPU, on the device only while encoding prompts the cache
+    # lacks (needs prompt_cache_size > 0): frees their accelerator memory once the prompts are cached
+    offload_text_encoders: bool = False
 
 
 @dataclass
@@ -325,6 +331,9 @@ def check_values(config: RunConfig, where: str = "config") -> None:
         ("explore.mode", config.explore.mode == "none" or config.method in ("flow_grpo", "dance_grpo"),
          "needs a method that trains on SDE log-probabilities (flow_grpo, dance_grpo)"),
         ("sampling.eta", s.eta >= 0, "must be ≥ 0"),
+        ("model.prompt_cache_size", config.model.prompt_cache_size >= 0, "must be ≥ 0 (0 = no cache)"),
+        ("model.offload_text_encoders", not config.model.offload_text_encoders or config.model.prompt_cache_size > 0,
+         "needs model.prompt_cache_size > 0 (without a cache every step would move the encoders)"),
         ("sampling.window_shift_every", s.window_shift_every >= 0, "must be ≥ 0 (0 = no sliding window)"),
         ("sampling.window_stride", s.window_stride >= 1, "must be ≥ 1"),
         ("train.nft_beta", t.nft_beta > 0, "must be > 0"),

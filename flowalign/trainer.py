@@ -60,6 +60,7 @@ from flowalign.samplers.unmasking import MaskedTrajectory
 from flowalign.samplers.steps import StepPlan, plan_steps, sliding_window_start
 from flowalign.preflight import check_method_family, validate
 from pipelines import adapter_class, load_adapter
+from pipelines.base import PromptEmbeddingCache
 from reward_models.base import build_reward
 
 EVAL_SEED = 20_241_202  # the held-out evaluation always uses the same noise: before/after are paired
@@ -204,6 +205,8 @@ class Trainer:
         self.adapter = load_adapter(m.family, m.path, dtype=m.dtype, device=acc.device, height=m.height,
                                     width=m.width, num_frames=m.num_frames, attention=m.attention, options=m.kwargs)
         check_method_family(config.method, m.family, getattr(self.adapter, "prediction", "velocity"))
+        self.encode = PromptEmbeddingCache(self.adapter, m.prompt_cache_size, offload=m.offload_text_encoders) \
+            if m.prompt_cache_size else self.adapter.encode
         if m.lora_rank > 0:
             with torch.random.fork_rng(devices=[]):  # the LoRA's random init is part of the run's seed
                 torch.manual_seed(t.seed)
@@ -244,7 +247,7 @@ class Trainer:
             raise ConfigError(f"config: explore.mode supports image latents [B, C, h, w], this model has {tuple(shape)}")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.config.train.seed + 1)
-            net = ExploreNet(shape[1], _prompt_vector(self.adapter.encode([""])).shape[-1], s.num_steps, e.mode,
+            net = ExploreNet(shape[1], _prompt_vector(self.encode([""])).shape[-1], s.num_steps, e.mode,
                              e.hidden).to(self.accelerator.device)
         return net, torch.optim.Adam(net.parameters(), lr=e.learning_rate)
 
@@ -520,7 +523,7 @@ class Trainer:
         index = torch.tensor(picks)
         samples = data["samples"][index].flatten(0, 1).to(device)  # [groups·k, ...]
         components = {name: values[index].flatten() for name, values in data["components"].items()}
-        cond = self.adapter.encode([data["specs"][g]["prompt"] for g in picks]).repeat_interleave(k)
+        cond = self.encode([data["specs"][g]["prompt"] for g in picks]).repeat_interleave(k)
         traj = Trajectory(samples[:, None], torch.zeros(len(samples), 0, device=device),
                           torch.zeros(len(samples), 0, dtype=torch.bool, device=device), torch.zeros(0),
                           schedule.sigmas, schedule.timesteps, cond)
@@ -534,7 +537,7 @@ class Trainer:
         # group_id (unique over all shards) tells group-level rewards (Pref-GRPO win rates) which samples compete
         specs = [{**self.train_specs[i], "group_id": shard * groups + k} for k, i in enumerate(picks)
                  for _ in range(t.group_size)]
-        cond = self.adapter.encode([self.train_specs[i]["prompt"] for i in picks]).repeat_interleave(t.group_size)
+        cond = self.encode([self.train_specs[i]["prompt"] for i in picks]).repeat_interleave(t.group_size)
         noise = group_noise(self.adapter, groups, t.group_size, streams["noise"], s.shared_group_noise)
         return specs, cond, noise
 
@@ -839,7 +842,7 @@ class Trainer:
         if self.discrete:
             for lo in range(0, len(specs), e.batch_size):
                 sub = specs[lo:lo + e.batch_size]
-                latents.append(self._masked_rollout(self.adapter.encode([p["prompt"] for p in sub]), generator).samples)
+                latents.append(self._masked_rollout(self.encode([p["prompt"] for p in sub]), generator).samples)
             return torch.cat(latents)
         noise = self.adapter.initial_noise(len(specs), generator)
         steps = e.num_steps or s.num_steps
@@ -847,7 +850,7 @@ class Trainer:
         for lo in range(0, len(specs), e.batch_size):
             sub = specs[lo:lo + e.batch_size]
             plan = plan_steps(steps, len(sub), 0.0)
-            traj = rollout(self.adapter, self.adapter.encode([p["prompt"] for p in sub]), noise[lo:lo + len(sub)],
+            traj = rollout(self.adapter, self.encode([p["prompt"] for p in sub]), noise[lo:lo + len(sub)],
                            schedule, plan, guidance_scale=s.guidance_scale)
             latents.append(traj.samples)
         return torch.cat(latents)

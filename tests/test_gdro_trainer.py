@@ -19,7 +19,7 @@ def test_groups_are_written_once_and_training_reads_only_them(tiny_sd3_dir, tmp_
     generate_groups(config, 4)
     data = load_groups(groups, 4)
     assert data["samples"].shape[:2] == (4, 4) and len(data["specs"]) == 4
-    assert set(data["components"]) == {"accuracy", "score"}
+    assert set(data["components"]) == {"accuracy", "score", "soft_score"}
     assert json.loads((groups / "index.json").read_text())["groups"] == 4
     assert not (tmp_path / "groups.tmp").exists()
 
