@@ -15,6 +15,8 @@ from pipelines.base import Adapter, Conditioning, ModelNotFoundError, Schedule, 
 FAMILIES = {"sd3": "pipelines.sd3:SD3Adapter", "sd": "pipelines.sd:SDAdapter", "sdxl": "pipelines.sdxl:SDXLAdapter",
             "flux": "pipelines.flux:FluxAdapter", "wan": "pipelines.wan:WanAdapter"}
 FAMILIES["chess"] = "pipelines.chess:ChessAdapter"  # masked discrete diffusion (prediction "logits")
+FAMILIES["ltx2"] = "pipelines.ltx2:LTX2Adapter"  # joint audio-video latents (pipelines/joint.py)
+FAMILIES["av_demo"] = "pipelines.av_demo:AVDemoAdapter"  # the built-in joint audio-video demo model
 
 # constructor arguments that have their own setting (model.height, ...) or that the loader sets
 LOADER_ARGUMENTS = ("self", "pipe", "device", "height", "width", "num_frames")

@@ -67,7 +67,12 @@ class Schedule:
 class Adapter(Protocol):
     """One model family. ``prediction`` is "velocity" (flow matching), "epsilon" or "logits".
     ``modality`` (optional class attribute, "image" when absent): "video" for a family whose
-    ``decode`` returns frames float [B, F, 3, H, W] and whose constructor takes ``num_frames``."""
+    ``decode`` returns frames float [B, F, 3, H, W] and whose constructor takes ``num_frames``;
+    "audio_video" for a joint family (ltx2): x is the joint latent [B, D] of ``pipelines/joint.py``
+    (video tokens then audio tokens, flattened; the adapter's ``joint_layout`` and ``branch_masks()``
+    bool [2, D] say which element is which), and ``decode`` returns ``pipelines.joint.AudioVideoSamples``
+    (video float [B, F, 3, H, W] in [0, 1], audio float [B, A, T] in [-1, 1] with A channels, ``.mono``
+    [B, T], sample_rate, fps): what its rewards receive. Its constructor takes ``num_frames`` too."""
 
     prediction: str
 

@@ -16,10 +16,14 @@ model is one of these, trained). The parts are the real classes a user's checkpo
   ``FlowMatchEulerDiscreteScheduler`` configured as FLUX.1-dev's (guidance embedding, dynamic
   shifting) or FLUX.1-schnell's (neither);
 * Wan 2.1: ``WanTransformer3DModel``, ``AutoencoderKLWan``, ``UMT5EncoderModel`` +
-  ``T5TokenizerFast``, ``UniPCMultistepScheduler`` with flow sigmas (what Wan ships).
+  ``T5TokenizerFast``, ``UniPCMultistepScheduler`` with flow sigmas (what Wan ships);
+* LTX-2: ``LTX2VideoTransformer3DModel`` (audio↔video cross-attention), ``AutoencoderKLLTX2Video``,
+  ``AutoencoderKLLTX2Audio``, ``LTX2Vocoder``, ``LTX2TextConnectors``, ``Gemma3ForConditionalGeneration``
+  + ``GemmaTokenizer``, ``FlowMatchEulerDiscreteScheduler`` with LTX-2's configuration.
 
-T5 tokenizers are Unigram models over the caption words (``build_t5_tokenizer``), not
-sentencepiece files: the pipelines only call them, and they save and load as real ones.
+T5 tokenizers are Unigram models over the caption words (``build_t5_tokenizer``), the Gemma one a
+BPE (``build_gemma_tokenizer``), not sentencepiece files: the pipelines only call them, and they
+save and load as real ones.
 """
 
 from __future__ import annotations
@@ -281,3 +285,140 @@ def build_tiny_wan_pipeline(words: list[str], sizes: TinyWanSizes = TinyWanSizes
     text_encoder = UMT5EncoderModel(UMT5Config(**_t5_config(tokenizer, sizes.text_hidden, sizes.text_layers)))
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
                        transformer=transformer)
+
+
+# --------------------------------------------------------------------------- LTX-2 (joint audio-video)
+
+GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_image>", "<end_of_image>",
+                  "<image_soft_token>")  # Gemma's pad 0, eos 1, bos 2, unk 3; then the image markers
+
+
+def build_gemma_tokenizer(words: list[str]):
+    """A real ``GemmaTokenizer`` (byte-fallback BPE, spaces as "▁", ``<bos>`` prepended) whose merges
+    make every word in ``words`` one token, with or without its leading "▁"; other lowercase words
+    tokenize into pieces."""
+    from transformers import GemmaTokenizer
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    trainer = trainers.BpeTrainer(vocab_size=10_000, special_tokens=list(GEMMA_SPECIALS), show_progress=False,
+                                  initial_alphabet=list("abcdefghijklmnopqrstuvwxyz0123456789▁"))
+    # each training item is one pre-token: merges never cross "▁", as Gemma's never cross a space
+    bpe.train_from_iterator([w for word in words for w in (word, "▁" + word)] * 4, trainer=trainer)
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+              for m in json.loads(bpe.to_str())["model"]["merges"]]
+    return GemmaTokenizer(vocab=bpe.get_vocab(), merges=merges, add_bos_token=True)  # Gemma prepends <bos>
+
+
+@dataclass
+class TinyLTX2Sizes:
+    """Sizes of a small LTX-2 text-to-audio-video pipeline. Defaults are test-sized (fast on one CPU core).
+
+    The video VAE compresses 4× in space (its patch 2 × one 2× stage) and 2× in time; the audio
+    VAE turns ``mel_bins`` mel bins into mel_bins / 4 latent bins of ``audio_latent_channels``
+    (the transformer's audio token is one latent time step: channels × latent bins features).
+    """
+
+    video_latent_channels: int = 8
+    vae_channels: int = 8
+    audio_latent_channels: int = 2
+    mel_bins: int = 8
+    audio_vae_channels: int = 4  # = audio_latent_channels · mel_bins / 4 (the audio VAE's latent statistics)
+    sample_rate: int = 16000
+    hop_length: int = 160  # mel frames per second = sample_rate / hop_length; the vocoder upsamples by this
+    text_hidden: int = 16  # Gemma3; also the connectors' width (LTX-2.0: connector width = caption channels)
+    text_layers: int = 2
+    layers: int = 2
+    heads: int = 2
+    head_dim: int = 8
+    audio_heads: int = 2
+    audio_head_dim: int = 4
+    connector_registers: int = 8  # LTX-2's learnable registers; the prompt length must be a multiple
+    max_prompt_tokens: int = 64  # Gemma's position table
+
+
+# LTX-2's scheduler_config.json (diffusers' conversion script): dynamic exponential shift, σ_S-1 = 0.1
+LTX2_SCHEDULER = {"base_image_seq_len": 1024, "base_shift": 0.95, "max_image_seq_len": 4096, "max_shift": 2.05,
+                  "num_train_timesteps": 1000, "shift": 1.0, "shift_terminal": 0.1, "time_shift_type": "exponential",
+                  "use_dynamic_shifting": True}
+
+
+def _tiny_gemma3(tokenizer, sizes: TinyLTX2Sizes):
+    """A ``Gemma3ForConditionalGeneration`` (its SigLIP tower is built but never run: prompts are text)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    vocab = tokenizer.get_vocab()
+    text = Gemma3TextConfig(vocab_size=len(vocab), hidden_size=sizes.text_hidden, intermediate_size=2 * sizes.text_hidden,
+                            num_hidden_layers=sizes.text_layers, num_attention_heads=2, num_key_value_heads=1,
+                            head_dim=sizes.text_hidden // 2, query_pre_attn_scalar=sizes.text_hidden // 2,
+                            max_position_embeddings=sizes.max_prompt_tokens, sliding_window=8,
+                            pad_token_id=vocab["<pad>"], eos_token_id=vocab["<eos>"], bos_token_id=vocab["<bos>"])
+    vision = SiglipVisionConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=8, patch_size=4)
+    return Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=vocab["<start_of_image>"],
+        eoi_token_index=vocab["<end_of_image>"], image_token_index=vocab["<image_soft_token>"]))
+
+
+def build_tiny_ltx2_pipeline(words: list[str], sizes: TinyLTX2Sizes = TinyLTX2Sizes(), seed: int = 0):
+    """A randomly initialised ``LTX2Pipeline`` (LTX-2.0 layout: one text projection shared by the
+    video and audio connectors) for captions made of ``words``: Gemma3 text encoder, connectors,
+    ``LTX2VideoTransformer3DModel`` with audio↔video cross-attention, both VAEs, the vocoder and
+    LTX-2's scheduler configuration."""
+    # imported here: the LTX-2 modules pull in transformers' Gemma 3/4 classes, which the other builders do not need
+    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2Pipeline, LTX2VideoTransformer3DModel
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    if sizes.audio_vae_channels * 4 != sizes.audio_latent_channels * sizes.mel_bins:
+        raise ValueError("audio_vae_channels must be audio_latent_channels · mel_bins / 4 (one audio token's features)")
+    torch.manual_seed(seed)
+    tokenizer = build_gemma_tokenizer(words)
+    text_encoder = _tiny_gemma3(tokenizer, sizes)
+    connector = dict(num_attention_heads=2, attention_head_dim=sizes.text_hidden // 2, num_layers=1,
+                     num_learnable_registers=sizes.connector_registers)
+    connectors = LTX2TextConnectors(
+        caption_channels=sizes.text_hidden, text_proj_in_factor=sizes.text_layers + 1, connector_rope_base_seq_len=32,
+        rope_type="split", **{f"{m}_connector_{k}": v for m in ("video", "audio") for k, v in connector.items()})
+    audio_features = sizes.audio_latent_channels * sizes.mel_bins // 4
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=sizes.video_latent_channels, out_channels=sizes.video_latent_channels, patch_size=1,
+        patch_size_t=1, num_attention_heads=sizes.heads, attention_head_dim=sizes.head_dim,
+        cross_attention_dim=sizes.heads * sizes.head_dim, vae_scale_factors=(2, 4, 4),
+        audio_in_channels=audio_features, audio_out_channels=audio_features, audio_num_attention_heads=sizes.audio_heads,
+        audio_attention_head_dim=sizes.audio_head_dim, audio_cross_attention_dim=sizes.audio_heads * sizes.audio_head_dim,
+        audio_sampling_rate=sizes.sample_rate, audio_hop_length=sizes.hop_length, num_layers=sizes.layers,
+        caption_channels=sizes.text_hidden, rope_type="split",
+    )
+    vae = AutoencoderKLLTX2Video(
+        in_channels=3, out_channels=3, latent_channels=sizes.video_latent_channels,
+        block_out_channels=(sizes.vae_channels,), decoder_block_out_channels=(sizes.vae_channels,),
+        layers_per_block=(1, 1), decoder_layers_per_block=(1, 1), spatio_temporal_scaling=(True,),
+        decoder_spatio_temporal_scaling=(True,), decoder_inject_noise=(False, False), downsample_type=("spatiotemporal",),
+        upsample_type=("spatiotemporal",), upsample_residual=(False,), upsample_factor=(1,), timestep_conditioning=False,
+        patch_size=2, patch_size_t=1, encoder_causal=True, decoder_causal=False,
+    )
+    audio_vae = AutoencoderKLLTX2Audio(
+        base_channels=sizes.audio_vae_channels, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None,
+        in_channels=2, resolution=32, latent_channels=sizes.audio_latent_channels, norm_type="pixel",
+        causality_axis="height", mid_block_add_attention=False, sample_rate=sizes.sample_rate,
+        mel_hop_length=sizes.hop_length, is_causal=True, mel_bins=sizes.mel_bins,
+    )
+    factors = _upsample_factors(sizes.hop_length)
+    vocoder = LTX2Vocoder(in_channels=2 * sizes.mel_bins, hidden_channels=8 * 2 ** len(factors), out_channels=2,
+                          upsample_kernel_sizes=[2 * f for f in factors], upsample_factors=factors,
+                          resnet_kernel_sizes=[3], resnet_dilations=[[1, 3]], output_sampling_rate=sizes.sample_rate)
+    return LTX2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**LTX2_SCHEDULER), vae=vae, audio_vae=audio_vae,
+                        text_encoder=text_encoder, tokenizer=tokenizer, connectors=connectors, transformer=transformer,
+                        vocoder=vocoder)
+
+
+def _upsample_factors(hop: int) -> list[int]:
+    """hop as a product of small factors (the vocoder's upsampling stages: one mel frame → hop samples)."""
+    factors, rest = [], hop
+    for f in (5, 4, 3, 2):
+        while rest % f == 0 and rest > 1:
+            factors.append(f)
+            rest //= f
+    if rest != 1:
+        raise ValueError(f"hop_length {hop} must factor into 2, 3, 4 and 5 (the tiny vocoder's upsampling stages)")
+    return factors
