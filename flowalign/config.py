@@ -155,6 +155,28 @@ class ExploreConfig:
 
 
 @dataclass
+class RoutingConfig:
+    """DiffusionNFT on joint audio-video models (flowalign/objectives/av_routing.py); needs
+    method diffusion_nft, an audio_video family and train.per_reward_advantages."""
+
+    # (ii) each reward trains the branches it concerns (component → [video] | [audio] | [video, audio];
+    # unnamed components: both), with residual corrections of the weights after `warmup` epochs
+    reweight: bool = False
+    concerns: dict[str, list[str]] = field(default_factory=dict)
+    warmup: int = 5
+    strength: float = 1.0
+    threshold: float = 0.3
+    max_residual: float = 2.0
+    gram_decay: float = 0.9  # EMA of the reward-gradient Gram over epochs
+    # (i) cross-modal influence: per-token loss weights (u / mean u)^token_alpha and gradient scales
+    # of the cross-modal attention modules clip(u_l / mean u, layer_scale_min, layer_scale_max)
+    influence: bool = False
+    token_alpha: float = 1.0
+    layer_scale_min: float = 0.25
+    layer_scale_max: float = 4.0
+
+
+@dataclass
 class EvalConfig:
     every: int = 10  # epochs; 0 = only before and after
     seeds: int = 4  # samples per held-out prompt
@@ -181,6 +203,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     explore: ExploreConfig = field(default_factory=ExploreConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
 
 CHOICES = {
@@ -334,6 +357,14 @@ def check_values(config: RunConfig, where: str = "config") -> None:
         ("model.prompt_cache_size", config.model.prompt_cache_size >= 0, "must be ≥ 0 (0 = no cache)"),
         ("model.offload_text_encoders", not config.model.offload_text_encoders or config.model.prompt_cache_size > 0,
          "needs model.prompt_cache_size > 0 (without a cache every step would move the encoders)"),
+        ("routing", not (config.routing.reweight or config.routing.influence) or config.method == "diffusion_nft",
+         "reweight / influence need method diffusion_nft"),
+        ("routing.reweight", not config.routing.reweight or t.per_reward_advantages,
+         "needs train.per_reward_advantages=true (one advantage per reward, routed per branch)"),
+        ("routing.concerns", set(config.routing.concerns) <= set(config.reward.weights),
+         f"names components that reward.weights does not weight: {sorted(set(config.routing.concerns) - set(config.reward.weights))}"),
+        ("routing.concerns", all(b and set(b) <= {"video", "audio"} for b in config.routing.concerns.values()),
+         "each component's branches must be a non-empty subset of [video, audio]"),
         ("sampling.window_shift_every", s.window_shift_every >= 0, "must be ≥ 0 (0 = no sliding window)"),
         ("sampling.window_stride", s.window_stride >= 1, "must be ≥ 1"),
         ("train.nft_beta", t.nft_beta > 0, "must be > 0"),

@@ -50,6 +50,8 @@ from tqdm.auto import tqdm
 from flowalign.advantages import PerPromptStatTracker, combine_rewards, extremes_mask, group_advantages
 from flowalign.config import ConfigError, RunConfig, to_dict
 from flowalign.grids import as_image_cells, save_grid, side_by_side, to_pil_grid
+from flowalign.objectives.av_routing import (RewardRouter, branch_advantages, layer_gradient_scales, nft_sensitivity,
+                                             routed_nft_loss, token_weights)
 from flowalign.objectives.diffusion_nft import diffusion_nft_loss, old_policy_decay, optimality_probability
 from flowalign.objectives.flow_grpo import flow_grpo_loss
 from flowalign.objectives.gdro import gdro_loss
@@ -61,6 +63,7 @@ from flowalign.samplers.steps import StepPlan, plan_steps, sliding_window_start
 from flowalign.preflight import check_method_family, validate
 from pipelines import adapter_class, load_adapter
 from pipelines.base import PromptEmbeddingCache
+from pipelines.joint import BRANCHES
 from reward_models.base import build_reward
 
 EVAL_SEED = 20_241_202  # the held-out evaluation always uses the same noise: before/after are paired
@@ -222,6 +225,7 @@ class Trainer:
         self.ema = EMA(self.params, t.ema_decay) if t.ema_decay > 0 else None
         # DiffusionNFT's old policy: samples the rollouts and anchors v⁺ / v⁻; its decay ramps per epoch
         self.old = EMA(self.params, 0.0) if self.nft else None
+        self.router = self._build_router()
         # per shard, like the streams: a prompt's reward history is kept where its samples are drawn
         self.trackers = [PerPromptStatTracker(clip=t.advantage_clip) for _ in self.shards] if t.per_prompt_stats \
             else None
@@ -384,6 +388,8 @@ class Trainer:
         if self.explorer is not None:  # before the generator moves: its rollouts are the explorer's on-policy data
             stats.update(self.update_explorer(batch))
         stats.update(self.update_policy(batch, advantages))
+        if self.router is not None:
+            stats.update(self._end_routing_epoch())
         if self.old is not None:
             t = self.config.train
             self.old.decay = old_policy_decay(self.epoch, t.nft_old_decay_rate, t.nft_old_decay_max)
@@ -723,6 +729,105 @@ class Trainer:
                                 clip_range=t.clip_range, ref_logits=ref_logits, beta=t.kl_beta,
                                 entropy_coef=t.entropy_coef, temperature=s.temperature, weight=weight)
 
+    # -- audio-video routing (flowalign/objectives/av_routing.py) ---------------------------
+    def _build_router(self) -> RewardRouter | None:
+        r = self.config.routing
+        if not (r.reweight or r.influence):
+            return None
+        if getattr(self.adapter, "modality", "image") != "audio_video":
+            raise ConfigError(f"config: routing is for audio-video families (their branch masks); "
+                              f"{self.config.model.family!r} is not one")
+        names = list(self.config.reward.weights)
+        concerns = torch.zeros(len(BRANCHES), len(names), dtype=torch.bool)
+        for k, name in enumerate(names):
+            for branch in r.concerns.get(name, BRANCHES):
+                concerns[BRANCHES.index(branch), k] = True
+        router = RewardRouter(self._reward_weights(), concerns, warmup=r.warmup, strength=r.strength,
+                              threshold=r.threshold, max_residual=r.max_residual, gram_decay=r.gram_decay)
+        self._layer_scales: dict[str, float] = {}
+        self._layer_sums: dict[str, list[float]] = {}
+        if r.influence:  # each cross-modal module's gradients scaled by its influence (constant within an epoch)
+            if not hasattr(self.adapter, "record_cross_modal"):
+                raise ConfigError(f"config: routing.influence reads the cross-modal attention during the forward "
+                                  f"pass; the {self.config.model.family!r} adapter cannot record it")
+            self._writes = {name: branch for name, (branch, _) in self.adapter.cross_modal_attention().items()}
+            for name, (_, module) in self.adapter.cross_modal_attention().items():
+                for p in module.parameters():
+                    if p.requires_grad:
+                        p.register_hook(lambda g, name=name: g * self._layer_scales.get(name, 1.0))
+        return router
+
+    def _routed_nft_loss(self, sub, x0, x_t, sigma, timestep, v_old, v_ref, adv, weight):
+        """DiffusionNFT over the joint latent's branches: per-branch r (reweight) and/or
+        influence token weights, reading the cross-modal attention of v_θ's own forward pass."""
+        r, t = self.config.routing, self.config.train
+        layout = self.adapter.joint_layout
+        recording = self.adapter.record_cross_modal(maps=False, model=self.model) if r.influence \
+            else contextlib.nullcontext()
+        with recording as recorder:
+            v_theta = self.adapter.predict(x_t, timestep, sub.cond, 1.0, model=self.model)
+        elem_weight = None
+        if r.influence:
+            video, audio = [], []
+            for name, calls in recorder.records.items():
+                u = calls[-1].response_ratio  # [b, tokens of the branch this module writes into]
+                (video if self._writes[name] == "video" else audio).append(u)
+                self._layer_sums.setdefault(name, [0.0, 0.0])
+                self._layer_sums[name][0] += float(u.mean())
+                self._layer_sums[name][1] += 1
+            elem_weight = layout.expand_tokens(token_weights(torch.stack(video).mean(0), r.token_alpha),
+                                               token_weights(torch.stack(audio).mean(0), r.token_alpha))
+        per_reward = adv if adv.ndim == 2 else adv[:, None]
+        if r.reweight:
+            masks = self.adapter.branch_masks().to(x0.device)
+            prob = optimality_probability(branch_advantages(per_reward, self.router.weights.to(adv)), t.advantage_clip)
+        else:
+            masks = torch.ones(1, layout.numel, dtype=torch.bool, device=x0.device)
+            combined = per_reward @ self._reward_weights().to(adv) if adv.ndim == 2 else adv
+            prob = optimality_probability(combined, t.advantage_clip)[:, None]
+        loss, stats = routed_nft_loss(v_theta, v_old, x_t, x0, sigma, prob, masks, beta=t.nft_beta,
+                                      elem_weight=elem_weight, v_ref=v_ref, kl_beta=t.kl_beta, weight=weight)
+        if r.reweight:
+            with torch.no_grad():
+                tt = sigma.float().view(-1, 1)
+                vd = v_theta.detach().float()
+                sens = nft_sensitivity(x_t - tt * (t.nft_beta * vd + (1 - t.nft_beta) * v_old),
+                                       x_t - tt * ((1 + t.nft_beta) * v_old - t.nft_beta * vd), x0, sigma,
+                                       t.nft_beta, masks, elem_weight)
+                keep = weight.bool()
+                self.router.observe(optimality_probability(per_reward, t.advantage_clip)[keep] - 0.5, sens[keep])
+        return loss, stats
+
+    def _end_routing_epoch(self) -> dict:
+        """Fold this epoch's interactions and influences (over all processes) into the router."""
+        router, stats = self.router, {}
+        pending = router.pending_gram
+        router.pending_gram = self._across_processes(pending.flatten().tolist()).sum(0).float().view_as(pending)
+        router.end_epoch(self.epoch + 1)
+        names = list(self.config.reward.weights)
+        if self.config.routing.reweight:
+            for b, branch in enumerate(BRANCHES):
+                for k, name in enumerate(names):
+                    if router.priors[b, k] > 0:
+                        stats[f"routing/weight_{branch}_{name}"] = float(router.weights[b, k])
+                        stats[f"routing/cos_{branch}_{name}"] = float(router.cos[b, k])
+        if self.config.routing.influence and self._layer_sums:
+            layers = sorted(self._layer_sums)
+            means = self._across_processes([self._layer_sums[n][0] / max(self._layer_sums[n][1], 1)
+                                            for n in layers]).mean(0)
+            router.observe_layers(dict(zip(layers, means.tolist())))
+            self._set_layer_scales()
+            self._layer_sums = {}
+            stats.update({f"routing/grad_scale_{n}": v for n, v in self._layer_scales.items()})
+        return stats
+
+    def _set_layer_scales(self) -> None:
+        """Gradient scale of each cross-modal module from the router's influence EMA (1 before any)."""
+        r, names = self.config.routing, sorted(self.router.layer_influence)
+        scales = layer_gradient_scales(torch.tensor([self.router.layer_influence[n] for n in names]),
+                                       r.layer_scale_min, r.layer_scale_max) if names else torch.zeros(0)
+        self._layer_scales = dict(zip(names, scales.tolist()))
+
     def _reward_weights(self) -> torch.Tensor:
         """[C] the configured reward weights, in the order of the per-reward advantage columns."""
         return torch.tensor(list(self.config.reward.weights.values()), dtype=torch.float32)
@@ -780,6 +885,8 @@ class Trainer:
             if t.kl_beta > 0:
                 with self.adapter.reference():
                     v_ref = self.adapter.predict(x_t, timestep, sub.cond, 1.0)
+        if self.router is not None:
+            return self._routed_nft_loss(sub, x0, x_t, sigma, timestep, v_old, v_ref, adv, weight)
         v_theta = self.adapter.predict(x_t, timestep, sub.cond, 1.0, model=self.model)
         if adv.ndim == 2:  # one column per reward: r follows their weighted sum
             adv = adv @ self._reward_weights().to(adv)
@@ -931,6 +1038,8 @@ class Trainer:
             save_file(self.ema.state_dict(), folder / "ema.safetensors")
         if self.old is not None:
             save_file(self.old.state_dict(), folder / "old.safetensors")
+        if self.router is not None:
+            _torch_save(self.router.state_dict(), folder / "routing.pt")
         if self.explorer is not None:  # apart from the generator: policy/ and final/ never need it
             save_file(self._explorer_state(), folder / "explorenet.safetensors")
             _torch_save(self.explorer_optimizer.state_dict(), folder / "explorenet_optimizer.pt")
@@ -1032,6 +1141,7 @@ class Trainer:
         return {"state": state, "trained": trained, "optimizer": optimizer, "rng": rng, "trackers": trackers,
                 "ema": _read_safetensors(path / "ema.safetensors") if self.ema is not None else None,
                 "old": _read_safetensors(path / "old.safetensors") if self.old is not None else None,
+                "routing": _read_torch(path / "routing.pt") if self.router is not None else None,
                 "explorer": (_read_safetensors(path / "explorenet.safetensors"),
                              _read_torch(path / "explorenet_optimizer.pt")) if self.explorer is not None else None}
 
@@ -1043,6 +1153,9 @@ class Trainer:
             self.ema.load_state_dict(loaded["ema"])
         if self.old is not None:
             self.old.load_state_dict(loaded["old"])
+        if self.router is not None:
+            self.router.load_state_dict(loaded["routing"])
+            self._set_layer_scales()
         if self.explorer is not None:
             self.explorer.load_state_dict(loaded["explorer"][0])
             self.explorer_optimizer.load_state_dict(loaded["explorer"][1])

@@ -190,3 +190,50 @@ def routed_nft_loss(
         loss = loss + kl_beta * kl
     stats.update(policy_loss=policy_loss.detach(), kl=kl.detach())
     return loss, {k: v.detach() for k, v in stats.items()}
+
+
+class RewardRouter:
+    """The state of routing over a run: priors W0 [M, K], the Gram's EMA [M, K, K], the current
+    weights W [M, K] and each cross-modal module's mean response (an EMA, for its gradient scale).
+
+    ``observe`` adds one minibatch's centred optimality a [B, K] and sensitivity s [B, M];
+    ``end_epoch(epoch)`` folds the epoch's Gram into the EMA and, from epoch ``warmup`` on,
+    recomputes W with ``residual_weights`` (before it W is W0).
+    """
+
+    def __init__(self, priors: torch.Tensor, concerns: torch.Tensor, *, warmup: int, strength: float,
+                 threshold: float, max_residual: float, gram_decay: float):
+        self.priors = routed_priors(priors, concerns)
+        self.weights = self.priors.clone()
+        self.cos = torch.zeros_like(self.priors)
+        self.gram = torch.zeros(*self.priors.shape, self.priors.shape[1])
+        self.pending_gram = torch.zeros_like(self.gram)
+        self.layer_influence: dict[str, float] = {}
+        self.warmup, self.strength, self.threshold = warmup, strength, threshold
+        self.max_residual, self.gram_decay = max_residual, gram_decay
+        self._seen = False
+
+    def observe(self, centred: torch.Tensor, sensitivity: torch.Tensor) -> None:
+        self.pending_gram += reward_gradient_gram(centred, sensitivity).cpu()
+
+    def observe_layers(self, influence: dict[str, float], decay: float = 0.9) -> None:
+        for name, u in influence.items():
+            old = self.layer_influence.get(name)
+            self.layer_influence[name] = u if old is None else decay * old + (1 - decay) * u
+
+    def end_epoch(self, epoch: int) -> None:
+        """epoch: the number of epochs finished."""
+        self.gram = self.pending_gram if not self._seen else \
+            self.gram_decay * self.gram + (1 - self.gram_decay) * self.pending_gram
+        self._seen, self.pending_gram = True, torch.zeros_like(self.gram)
+        self.weights, self.cos = residual_weights(self.priors, self.gram, active=epoch >= self.warmup,
+                                                  strength=self.strength, threshold=self.threshold,
+                                                  max_residual=self.max_residual)
+
+    def state_dict(self) -> dict:
+        return {"weights": self.weights, "cos": self.cos, "gram": self.gram, "seen": self._seen,
+                "layer_influence": dict(self.layer_influence)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.weights, self.cos, self.gram = state["weights"], state["cos"], state["gram"]
+        self._seen, self.layer_influence = state["seen"], dict(state["layer_influence"])
