@@ -103,7 +103,8 @@ def sample_pairs(adapter, pairs: list[tuple[str, int]], steps: int, guidance: fl
         traj = rollout(adapter, cond, noise, adapter.schedule(steps), plan_steps(steps, len(chunk), 0.0),
                        guidance_scale=guidance)
         out.append(adapter.decode(traj.samples))
-    return torch.cat(out)
+    # decoded samples that are not one tensor (pipelines.joint.AudioVideoSamples) concatenate themselves
+    return torch.cat(out) if isinstance(out[0], torch.Tensor) else type(out[0]).cat(out)
 
 
 def evaluate(policies: list[Policy], records: list[dict], rewards: dict, out_dir: str | Path, *, model: str,

@@ -3,7 +3,9 @@
 Every cell is an image [3, H, W]. Other modalities become image cells first: a video
 [T, 3, H, W] becomes a contact sheet of evenly spaced frames (``contact_sheet``, and
 ``save_gif`` keeps the motion), a waveform [N] becomes a log-magnitude spectrogram strip
-(``spectrogram_strip``), a chess position (a FEN string) a drawn board (``chess_board``).
+(``spectrogram_strip``), a chess position (a FEN string) a drawn board (``chess_board``), an
+audio-video sample (``pipelines.joint.AudioVideoSamples``) its frames above its waveform
+(``av_cell``; ``save_clip`` writes it as an MP4 with sound, or a WAV and a PNG strip).
 """
 
 from __future__ import annotations
@@ -138,10 +140,83 @@ def chess_board(fen: str, square: int = 16) -> torch.Tensor:
     return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).float() / 255
 
 
+def waveform_strip(audio: torch.Tensor, width: int, height: int = 24) -> torch.Tensor:
+    """audio: float [T] in [−1, 1] → image [3, height, width]: each column the min…max of its share
+    of the samples, dark on white, a grey centre line."""
+    t = audio.shape[0]
+    edges = torch.linspace(0, t, width + 1).round().long()
+    strip = torch.ones(3, height, width)
+    strip[:, height // 2] = 0.75
+    rows = torch.arange(height, dtype=torch.float32)[:, None]
+    lo = torch.stack([audio[a:max(b, a + 1)].min() for a, b in zip(edges[:-1], edges[1:])]).clamp(-1, 1)
+    hi = torch.stack([audio[a:max(b, a + 1)].max() for a, b in zip(edges[:-1], edges[1:])]).clamp(-1, 1)
+    # sample value v sits at row (1 − v)/2 · (height − 1): +1 at the top
+    ink = (rows >= (1 - hi) / 2 * (height - 1) - 0.5) & (rows <= (1 - lo) / 2 * (height - 1) + 0.5)
+    strip[:, ink] = torch.tensor([0.1, 0.2, 0.5])[:, None]
+    return strip
+
+
+def av_cell(video: torch.Tensor, audio: torch.Tensor, max_frames: int = 16) -> torch.Tensor:
+    """One audio-video sample → image [3, 2·H, F·W]: every frame side by side (evenly spaced
+    ones when F > ``max_frames``) over the waveform of the same time span, so a beep sits under the
+    frame it belongs to. video: float [F, 3, H, W] in [0, 1]; audio: float [A, T] or [T]."""
+    sheet = contact_sheet(video, min(video.shape[0], max_frames))
+    mono = audio.float().mean(0) if audio.ndim == 2 else audio.float()
+    return torch.cat([sheet, waveform_strip(mono.cpu(), sheet.shape[-1], max(8, video.shape[-2]))], dim=1)
+
+
+def save_clip(video: torch.Tensor, audio: torch.Tensor, path: str | Path, fps: float, sample_rate: int,
+              min_side: int = 96) -> list[Path]:
+    """Write one audio-video sample; returns the files written. video: float [F, 3, H, W] in
+    [0, 1]; audio: float [A, T] or [T] in [−1, 1] (channels averaged to mono).
+
+    With ``imageio-ffmpeg`` installed (``pip install flowalign[av]``) and a ``.mp4`` path: an MP4
+    (H.264, frames upscaled nearest to ≥ ``min_side``) with the sound as AAC at 16 kHz (AAC has no
+    512 Hz mode; ffmpeg resamples). Otherwise ``<path>.wav`` (16-bit PCM at ``sample_rate``) and
+    ``<path>.png`` (``av_cell``)."""
+    import wave
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mono = (audio.float().mean(0) if audio.ndim == 2 else audio.float()).clamp(-1, 1).cpu()
+    wav = path.with_suffix(".wav")
+    with wave.open(str(wav), "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(int(sample_rate))
+        f.writeframes((mono * 32767).round().to(torch.int16).numpy().tobytes())
+    try:
+        import imageio_ffmpeg
+    except ImportError:
+        imageio_ffmpeg = None
+    if imageio_ffmpeg is None or path.suffix != ".mp4":
+        png = path.with_suffix(".png")
+        cell = (av_cell(video.cpu(), mono).clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+        scale = max(1, -(-min_side // video.shape[-2]))
+        Image.fromarray(cell).resize((cell.shape[1] * scale, cell.shape[0] * scale), Image.NEAREST).save(png)
+        return [wav, png]
+    frames = (video.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    h, w = frames.shape[1:3]
+    scale = max(1, -(-min_side // max(h, w)))
+    scale += scale % 2  # H.264 in yuv420p needs even sides
+    writer = imageio_ffmpeg.write_frames(str(path), (w * scale, h * scale), fps=fps, audio_path=str(wav),
+                                         audio_codec="aac", output_params=["-ar", "16000", "-shortest"],
+                                         macro_block_size=1)
+    writer.send(None)
+    for frame in frames:
+        writer.send(np.ascontiguousarray(frame.repeat(scale, 0).repeat(scale, 1)))
+    writer.close()
+    wav.unlink()
+    return [path]
+
+
 def as_image_cells(samples, frames: int = 4) -> torch.Tensor:
     """Decoded samples of any modality → image cells [B, 3, H, W]: images pass through, videos
     [B, T, 3, H, W] become contact sheets, waveforms [B, N] spectrogram strips, a list of FEN
-    strings (the chess family's decoded boards) drawn boards."""
+    strings (the chess family's decoded boards) drawn boards, audio-video samples (``.video``
+    [B, F, 3, H, W], ``.audio`` [B, A, T]) frames over waveform (``av_cell``)."""
+    if hasattr(samples, "video") and hasattr(samples, "audio"):  # AudioVideoSamples
+        return torch.stack([av_cell(v, a) for v, a in zip(samples.video, samples.audio)])
     if isinstance(samples, (list, tuple)):
         if samples and all(isinstance(s, str) for s in samples):
             return torch.stack([chess_board(fen) for fen in samples])

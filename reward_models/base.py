@@ -58,6 +58,7 @@ def register_reward(name: str):
 
 def _load_builtins_and_plugins() -> None:
     import reward_models.aesthetic  # noqa: F401  (registers on import; heavy imports wait for a constructor)
+    import reward_models.audio_video  # noqa: F401
     import reward_models.chess.reward  # noqa: F401  (Stockfish starts at the first call)
     import reward_models.clip_score  # noqa: F401
     import reward_models.hps  # noqa: F401

@@ -1,0 +1,321 @@
+"""The built-in audio-video family: ``AVPipeline`` (text → clip with sound) and its RL adapter.
+
+Parts (all real classes, saved and loaded by ``save_pretrained`` / ``from_pretrained``):
+``model`` an ``AVDiffusionModel`` (``pipelines/av_model.py``), ``text_encoder`` a small
+``CLIPTextModel`` with its ``tokenizer`` (one token per caption word, ``pipelines.tiny``),
+``scheduler`` a ``FlowMatchEulerDiscreteScheduler``. The shipped demo model is
+``pipelines/demo_models/av-demo`` (``scripts/pretrain_av.py``).
+
+Latents x: float [B, D], the joint latent of ``pipelines/joint.py``: the video's pixel-patch
+tokens [128, 48] (pixels scaled to [−1, 1]) then the waveform's tokens [32, 16], flattened
+(D = 6,144 + 512 for the world's clips); ``adapter.joint_layout`` and ``adapter.branch_masks()``
+say which element is which. The model predicts the velocity v ≈ ε − x0 at timestep t = 1000·σ;
+the pipeline takes Euler steps with its scheduler, so an η = 0 rollout of ``flowalign.rollout``
+reproduces ``pipe(...)`` from the same initial noise. ``decode`` returns
+``pipelines.joint.AudioVideoSamples``: video float [B, F, 3, H, W] in [0, 1], audio float
+[B, 1, T] (mono) in [−1, 1], its sample_rate (512) and fps (8).
+
+CFG (guidance_scale g > 1) is uncond + g·(cond − uncond) against the empty prompt, batched as
+[negative, prompt]; pre-training drops 10 % of captions so that branch is trained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
+from diffusers.utils import BaseOutput
+from torch import nn
+from transformers import CLIPTextModel, CLIPTokenizer
+
+from pipelines.av_model import AVDiffusionModel
+from pipelines.base import Conditioning, ModelNotFoundError, Schedule, load_with_hub_fallback
+from pipelines.denoiser import LORA_WEIGHTS_NAME, DenoiserAdapter, torch_dtype
+from pipelines.joint import BRANCHES, AudioVideoSamples, JointLayout
+from pipelines.tiny import _clip_config, build_clip_tokenizer
+
+LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out")  # every attention projection, both streams and cross-modal
+
+
+@dataclass
+class AVPipelineOutput(BaseOutput):
+    """video float [B, F, 3, H, W] in [0, 1]; audio float [B, 1, T] in [−1, 1]; latents [B, D] the
+    final joint latents; sample_rate and fps of the clip."""
+
+    video: torch.Tensor
+    audio: torch.Tensor
+    latents: torch.Tensor
+    sample_rate: int
+    fps: float
+
+
+class AVPipeline(DiffusionPipeline):
+    """Generate short clips with sound from captions.
+
+    >>> pipe = build_tiny_av_pipeline(["a", "ball"])
+    >>> out = pipe(["a ball", "ball"], num_inference_steps=2, generator=torch.Generator().manual_seed(0))
+    >>> tuple(out.video.shape), tuple(out.audio.shape)
+    ((2, 8, 3, 16, 16), (2, 1, 512))
+    """
+
+    model_cpu_offload_seq = "text_encoder->model"
+    model: AVDiffusionModel
+
+    def __init__(self, model: AVDiffusionModel, text_encoder: CLIPTextModel, tokenizer: CLIPTokenizer,
+                 scheduler: FlowMatchEulerDiscreteScheduler):
+        super().__init__()
+        self.register_modules(model=model, text_encoder=text_encoder, tokenizer=tokenizer, scheduler=scheduler)
+
+    @property
+    def joint_layout(self) -> JointLayout:
+        return self.model.joint_layout
+
+    @property
+    def fps(self) -> float:
+        return float(self.model.config.frames)  # a clip lasts one second (the world's convention)
+
+    @property
+    def sample_rate(self) -> int:
+        return int(round(self.fps * self.model.config.samples_per_frame))
+
+    def pack_clip(self, video: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+        """Clean clips → joint latents x0 [B, D]: video float [B, F, 3, H, W] in [0, 1] (scaled to
+        [−1, 1]), audio float [B, T] or [B, 1, T]."""
+        return self.joint_layout.pack(self.model.patchify_video(video * 2 - 1), self.model.patchify_audio(audio.flatten(1)))
+
+    def encode_prompt(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """B prompts → (hidden states [B, L, D_text], pooled [B, D_text]) of the CLIP text encoder."""
+        ids = self.tokenizer(list(prompts), padding="max_length", max_length=self.tokenizer.model_max_length,
+                             truncation=True, return_tensors="pt").input_ids.to(self.text_encoder.device)
+        out = self.text_encoder(ids)
+        return out.last_hidden_state, out.pooler_output
+
+    def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor, pooled: torch.Tensor,
+                 model: nn.Module | None = None) -> torch.Tensor:
+        """The model's velocity in the joint layout: latents [B, D], timestep [B] → [B, D]."""
+        video, audio = self.joint_layout.unpack(latents)
+        v_video, v_audio = (model or self.model)(video, audio, timestep, text, pooled)
+        return self.joint_layout.pack(v_video, v_audio)
+
+    def decode_latents(self, latents: torch.Tensor) -> AudioVideoSamples:
+        """Joint latents [B, D] → ``AudioVideoSamples``: video (x + 1) / 2 clamped to [0, 1]
+        [B, F, 3, H, W], audio clamped to [−1, 1] [B, 1, T]."""
+        video, audio = self.joint_layout.unpack(latents.float())
+        video = ((self.model.unpatchify_video(video) + 1) / 2).clamp(0, 1)
+        return AudioVideoSamples(video, audio.flatten(1)[:, None].clamp(-1, 1), self.sample_rate, self.fps)
+
+    @torch.no_grad()
+    def __call__(self, prompt: str | list[str], *, num_inference_steps: int = 16, guidance_scale: float = 1.0,
+                 negative_prompt: str = "", generator: torch.Generator | None = None,
+                 latents: torch.Tensor | None = None, return_dict: bool = True):
+        """prompt: one or B captions; latents: initial noise [B, D] (default: standard normal from
+        ``generator``, drawn on its device)."""
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        b, device = len(prompts), self.model.device
+        text, pooled = self.encode_prompt(prompts)
+        if guidance_scale > 1.0:
+            neg_text, neg_pooled = self.encode_prompt([negative_prompt])
+            text = torch.cat([neg_text.expand(b, -1, -1), text])
+            pooled = torch.cat([neg_pooled.expand(b, -1), pooled])
+        if latents is None:
+            latents = torch.randn((b, self.joint_layout.numel), generator=generator,
+                                  device=generator.device if generator is not None else "cpu", dtype=torch.float32)
+        latents = latents.to(device, torch.float32)
+        self.scheduler.set_timesteps(num_inference_steps, device=device)
+        for t in self.progress_bar(self.scheduler.timesteps):
+            x = torch.cat([latents, latents]) if guidance_scale > 1.0 else latents
+            v = self.velocity(x.to(self.model.dtype), t.expand(len(x)), text, pooled)
+            if guidance_scale > 1.0:
+                uncond, cond = v.chunk(2)
+                v = uncond + guidance_scale * (cond - uncond)
+            latents = self.scheduler.step(v, t, latents, return_dict=False)[0]
+        samples = self.decode_latents(latents)
+        out = AVPipelineOutput(samples.video, samples.audio, latents, samples.sample_rate, samples.fps)
+        return out if return_dict else (out.video, out.audio)
+
+
+# --------------------------------------------------------------------------- builder
+
+
+@dataclass
+class TinyAVSizes:
+    """Sizes of an ``AVPipeline``. Defaults are test-sized (fast on one CPU core); the shipped
+    demo's are ``scripts/pretrain_av.py``'s ``DEMO_SIZES``."""
+
+    dim: int = 16
+    layers: int = 1
+    heads: int = 2
+    mlp_ratio: int = 2
+    text_hidden: int = 16
+    text_layers: int = 1
+    text_projection: int = 16  # unused by CLIPTextModel; _clip_config asks for it
+    max_prompt_tokens: int = 16
+    scheduler_shift: float = 1.0
+
+
+def build_tiny_av_pipeline(words: list[str], sizes: TinyAVSizes = TinyAVSizes(), seed: int = 0) -> AVPipeline:
+    """A randomly initialised ``AVPipeline`` in the audio-video world's layout (8 frames of
+    16 × 16, 64 samples per frame) for captions made of ``words``."""
+    torch.manual_seed(seed)
+    tokenizer = build_clip_tokenizer(words, sizes.max_prompt_tokens)
+    model = AVDiffusionModel(dim=sizes.dim, layers=sizes.layers, heads=sizes.heads, mlp_ratio=sizes.mlp_ratio,
+                             text_dim=sizes.text_hidden)
+    return AVPipeline(model=model, text_encoder=CLIPTextModel(_clip_config(tokenizer, sizes)), tokenizer=tokenizer,
+                      scheduler=FlowMatchEulerDiscreteScheduler(shift=sizes.scheduler_shift))
+
+
+# --------------------------------------------------------------------------- adapter
+
+
+class AVDemoAdapter(DenoiserAdapter):
+    """An ``AVPipeline`` as the RL core sees it (module docstring).
+
+    It shares ``DenoiserAdapter``'s noise, CFG batching and training half (``add_lora``,
+    ``enable_full_finetune``, ``trainable``, ``reference``, ``trained_state_dict``), which act on
+    ``self.model``; there is no VAE. Besides the protocol it offers what the audio-video routing
+    objective reads, named as in ``pipelines/ltx2.py``: ``joint_layout``, ``branch_masks()``
+    (bool [2, D]: video, audio), ``cross_modal_attention()`` (name → (branch written, module)),
+    and ``record_cross_modal()`` (the attention recorder of ``pipelines/av_model.py``).
+    """
+
+    prediction = "velocity"
+    family = "av_demo"
+    modality = "audio_video"  # decode gives AudioVideoSamples; x is a joint latent [B, D]
+    pipeline_class = AVPipeline
+    model_folder = "model"
+    lora_targets = LORA_TARGETS
+    supports_xformers = False  # its attention calls torch's scaled_dot_product_attention directly
+    branches = BRANCHES
+
+    def __init__(self, pipe: AVPipeline, *, device: str | torch.device = "cpu"):
+        # Not DenoiserAdapter.__init__: it reads image sizes off a VAE this family does not have.
+        self.pipe = pipe.to(device)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.device = torch.device(device)
+        self.model: AVDiffusionModel = pipe.model
+        self.denoiser: nn.Module = self.model
+        self.joint_layout = self.model.joint_layout
+        self.lora = False
+        self._frozen_reference: nn.Module | None = None
+        self._negative: Conditioning | None = None
+        self.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
+        for part in (pipe.model, pipe.text_encoder):
+            part.requires_grad_(False).eval()
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, *, dtype: str = "float32", device: str = "cpu",
+                        trained: str | Path | None = None, height: int | None = None, width: int | None = None,
+                        num_frames: int | None = None, **kwargs):
+        """A built-in demo name ("av-demo"), a local pipeline folder or a hub id; ``trained``: a
+        ``save_trained`` folder. ``height``, ``width``, ``num_frames`` must be unset or equal the
+        model's: its clip size is fixed."""
+        pipe = load_with_hub_fallback(AVPipeline.from_pretrained, name_or_path, dtype=torch_dtype(dtype))
+        c = pipe.model.config
+        for name, value, own in (("height", height, c.height), ("width", width, c.width),
+                                 ("num_frames", num_frames, c.frames)):
+            if value is not None and value != own:
+                raise ValueError(f"the av_demo model makes clips of {c.frames} frames of {c.height}×{c.width}; "
+                                 f"model.{name}={value} cannot change that: leave it unset")
+        if trained is not None:
+            load_trained(pipe, trained)
+        return cls(pipe, device=device, **kwargs)
+
+    # -- conditioning and sampling ---------------------------------------------------------
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> Conditioning:
+        """B prompts → {"text": [B, L, D_text], "pooled": [B, D_text]}."""
+        text, pooled = self.pipe.encode_prompt(prompts)
+        return Conditioning({"text": text.float(), "pooled": pooled.float()})
+
+    def negative(self) -> Conditioning:
+        """The empty prompt's conditioning [1, ...] (the CFG branch), cached."""
+        if self._negative is None:
+            self._negative = self.encode([""])
+        return self._negative
+
+    def default_size(self) -> tuple[int, int]:
+        return self.model.config.height, self.model.config.width
+
+    def latent_shape(self) -> tuple[int, ...]:
+        """(D,): one sample's joint latent (``joint_layout.numel``)."""
+        return (self.joint_layout.numel,)
+
+    def schedule(self, num_steps: int) -> Schedule:
+        """The σ's and timesteps the pipeline's scheduler sets for ``num_steps``."""
+        return self.flow_schedule(num_steps)
+
+    def predict(self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance_scale: float = 1.0,
+                model: nn.Module | None = None) -> torch.Tensor:
+        """Velocity [B, D] at joint latents x [B, D], timestep t (scalar or [B]); CFG when g > 1."""
+        model = self.denoiser if model is None else model
+        x, tensors = self.guidance_inputs(x, cond, guidance_scale)
+        v = self.pipe.velocity(x.to(self.model.dtype), self.batch_timesteps(t, x.shape[0]), tensors["text"],
+                               tensors["pooled"], model=model)
+        return self.guide(v.float(), guidance_scale)
+
+    # -- what the routing objective reads ----------------------------------------------------
+    def branch_masks(self) -> torch.Tensor:
+        """bool [2, D]: row 0 the video elements, row 1 the audio elements of a joint latent."""
+        return self.joint_layout.masks(self.device)
+
+    def cross_modal_attention(self) -> dict[str, tuple[str, nn.Module]]:
+        """name → (the branch it writes into, module) for every ``audio_to_video_attn`` (video
+        tokens query audio: writes video) and ``video_to_audio_attn`` (writes audio)."""
+        writes = {"audio_to_video_attn": "video", "video_to_audio_attn": "audio"}
+        return {name: (writes[name.rsplit(".", 1)[-1]], module) for name, module in self.model.cross_modal_modules().items()}
+
+    def record_cross_modal(self, maps: bool = True, model: nn.Module | None = None):
+        """Context recording the cross-modal attention of ``model`` (default: the policy's
+        denoiser; a peft-wrapped or accelerate-wrapped model is searched for its
+        ``AVDiffusionModel``). Yields an ``AttentionRecorder``."""
+        target = self.denoiser if model is None else model
+        inner = next((m for m in target.modules() if isinstance(m, AVDiffusionModel)), None)
+        if inner is None:
+            return contextlib.nullcontext(None)
+        return inner.record_cross_modal(maps=maps)
+
+    # -- decoding ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, x0: torch.Tensor) -> AudioVideoSamples:
+        """Joint latents [B, D] → ``AudioVideoSamples`` (video [B, F, 3, H, W] in [0, 1], audio [B, 1, T])."""
+        return self.pipe.decode_latents(x0)
+
+    def enable_vae_tiling(self, **tile_sizes) -> None:
+        raise NotImplementedError("the av_demo model has no VAE")
+
+    enable_vae_slicing = enable_vae_tiling
+
+    # -- training --------------------------------------------------------------------------
+    def save_trained(self, directory: str | Path) -> None:
+        """LoRA → ``pytorch_lora_weights.safetensors`` (peft config as metadata, diffusers'
+        ``save_lora_adapter``); full fine-tuning → a ``model/`` folder."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.lora:
+            self.model.save_lora_adapter(directory, safe_serialization=True)
+        else:
+            self.model.save_pretrained(directory / self.model_folder, safe_serialization=True)
+
+    def enable_gradient_checkpointing(self) -> None:
+        raise NotImplementedError("the av_demo model is small: gradient checkpointing is not implemented")
+
+    def enable_xformers(self) -> None:
+        raise NotImplementedError("the av_demo model uses torch's scaled_dot_product_attention; xformers does not apply")
+
+
+def load_trained(pipe: AVPipeline, trained: str | Path) -> None:
+    """Put an ``AVDemoAdapter.save_trained`` folder's weights into ``pipe`` (LoRA fused in).
+    The same steps as ``pipelines.chess.load_trained``, for this pipeline's model class."""
+    trained = Path(trained)
+    if (trained / "model").is_dir():
+        pipe.register_modules(model=AVDiffusionModel.from_pretrained(trained / "model", torch_dtype=pipe.model.dtype))
+    elif (trained / LORA_WEIGHTS_NAME).is_file():
+        pipe.model.load_lora_adapter(trained, prefix=None, weight_name=LORA_WEIGHTS_NAME)
+        pipe.model.fuse_lora()
+        pipe.model.unload_lora()
+    else:
+        raise ModelNotFoundError(f"no trained weights in {trained.resolve()}: expected {LORA_WEIGHTS_NAME} "
+                                 "or a model/ folder (a run's final/ or a checkpoint's policy/)")

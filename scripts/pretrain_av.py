@@ -1,0 +1,158 @@
+"""Pre-train the built-in audio-video demo model (an ``AVPipeline``, ``pipelines/av_demo.py``) on a CPU.
+
+Clips are drawn on the fly by ``flowalign.worlds.audio_video`` from the *whole* prompt space (the
+"web data" of this world, as ``pretrain_shapes.py`` does; RL later trains on the train split).
+The ``AVDiffusionModel`` and the CLIP text encoder learn rectified flow on the joint latents
+x0 (video pixels in [−1, 1] and the waveform, as tokens): velocity target ε − x0, logit-normal σ,
+10 % of captions dropped to "" (the CFG branch); the loss is the video elements' mean squared
+error plus the audio elements' (each branch weighs the same, though the video has 12× as many
+elements). An EMA of the weights (``--ema``) is what gets saved. Every ``--eval-every`` steps the
+EMA model samples the held-out prompts (ODE, fixed seeds) and prints the ``audio_video`` reward.
+
+The result is saved with ``save_pretrained`` (safetensors), its settings in ``pretraining.json``;
+``--baseline`` then writes ``baseline.json``: every reward component of the base model on the
+test prompts (``flowalign.evaluation.evaluate``: ODE, guidance 1, seeds 0…7, 16 steps).
+
+    OMP_NUM_THREADS=1 python scripts/pretrain_av.py --out pipelines/demo_models/av-demo --steps 5000
+    OMP_NUM_THREADS=1 python scripts/pretrain_av.py --baseline-only --out pipelines/demo_models/av-demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from flowalign.worlds.audio_video import clip_batch, prompt_split, sample_specs, vocabulary
+from pipelines.av_demo import AVPipeline, TinyAVSizes, build_tiny_av_pipeline
+
+DEMO_SIZES = TinyAVSizes(dim=96, layers=4, heads=4, mlp_ratio=4, text_hidden=32, text_layers=2, max_prompt_tokens=16)
+BASELINE = {"prompts": "av:test", "seeds": list(range(8)), "steps": 16, "guidance": 1.0}
+
+
+def flow_loss(pipe: AVPipeline, specs: list[dict], rng: random.Random, g: torch.Generator,
+              drop: float = 0.1) -> torch.Tensor:
+    """Rectified-flow loss on fresh clips of ``specs``: mean over video elements + mean over audio elements."""
+    video, audio, _ = clip_batch(specs, rng)
+    x0 = pipe.pack_clip(video, audio)
+    b = len(specs)
+    prompts = [s["prompt"] if rng.random() > drop else "" for s in specs]
+    text, pooled = pipe.encode_prompt(prompts)
+    sigma = torch.sigmoid(torch.randn(b, generator=g))[:, None]  # logit-normal
+    noise = torch.randn(x0.shape, generator=g)
+    xt = (1 - sigma) * x0 + sigma * noise
+    v = pipe.velocity(xt, sigma.flatten() * 1000, text, pooled)
+    err = (v - (noise - x0)) ** 2
+    masks = pipe.joint_layout.masks()
+    return sum(err[:, m].mean() for m in masks)
+
+
+@torch.no_grad()
+def quick_eval(pipe: AVPipeline, n_seeds: int = 2, steps: int = 16) -> dict[str, float]:
+    """Mean ``audio_video`` components over the test prompts × ``n_seeds`` (ODE, guidance 1)."""
+    from reward_models.audio_video import AudioVideoReward
+
+    specs = [s for s in prompt_split("test") for _ in range(n_seeds)]
+    noise = torch.cat([torch.randn((1, pipe.joint_layout.numel), generator=torch.Generator().manual_seed(k % n_seeds))
+                       for k in range(len(specs))])
+    out = pipe([s["prompt"] for s in specs], num_inference_steps=steps, latents=noise)
+    samples = pipe.decode_latents(out.latents)
+    scores = AudioVideoReward()(samples, [s["prompt"] for s in specs], specs)
+    return {k: round(v.mean().item(), 4) for k, v in scores.items()}
+
+
+def train(pipe: AVPipeline, steps: int, batch: int, lr: float, ema_decay: float, rng: random.Random,
+          max_minutes: float, eval_every: int) -> tuple[AVPipeline, int]:
+    """AdamW with warm-up and cosine decay to 10 %; returns (the EMA pipeline, steps taken)."""
+    params = [p for m in (pipe.model, pipe.text_encoder) for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    warmup = min(200, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))))
+    ema = copy.deepcopy(pipe)
+    ema_params = [p for m in (ema.model, ema.text_encoder) for p in m.parameters()]
+    for p in ema_params:
+        p.requires_grad_(False)
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    start, step = time.time(), 0
+    bar = tqdm(range(steps), desc="flow", mininterval=30)
+    for step in bar:
+        loss = flow_loss(pipe, sample_specs(batch, rng), rng, g)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        decay = min(ema_decay, (1 + step) / (10 + step))  # short warm-up of the average
+        with torch.no_grad():
+            torch._foreach_lerp_(ema_params, [p.detach() for p in params], 1 - decay)
+        if step % 50 == 0:
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+        if eval_every and step and step % eval_every == 0:
+            print(f"step {step} ({(time.time() - start) / 60:.1f} min) loss {loss.item():.4f} "
+                  f"eval {quick_eval(ema)}", flush=True)
+        if (time.time() - start) / 60 > max_minutes:
+            print(f"stopping at step {step}: --max-minutes {max_minutes} reached", flush=True)
+            break
+    return ema, step + 1
+
+
+def measure_baseline(out: Path) -> dict:
+    """``baseline.json``: every reward component of the saved model on ``BASELINE``'s prompts and seeds."""
+    from flowalign.evaluation import Policy, evaluate
+    from flowalign.prompts import load_prompts
+    from reward_models.base import build_reward
+
+    records = load_prompts(BASELINE["prompts"])
+    with tempfile.TemporaryDirectory() as tmp:
+        summary = evaluate([Policy("base", None)], records, {"audio_video": build_reward("audio_video")}, tmp,
+                           model=str(out), family="av_demo", seeds=BASELINE["seeds"], steps=BASELINE["steps"],
+                           guidance=BASELINE["guidance"], batch_size=24)
+    result = {**BASELINE, "sampling": "ODE", "metrics": summary["base"]}
+    (out / "baseline.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="pipelines/demo_models/av-demo", help="output folder (diffusers format)")
+    parser.add_argument("--steps", type=int, default=5000)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--ema", type=float, default=0.999)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--max-minutes", type=float, default=40.0, help="stop (and save) after this long")
+    parser.add_argument("--eval-every", type=int, default=1000)
+    parser.add_argument("--baseline", action="store_true", help="measure baseline.json after saving")
+    parser.add_argument("--baseline-only", action="store_true", help="only measure baseline.json of --out")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    if args.baseline_only:
+        print(json.dumps(measure_baseline(out), indent=2))
+        return
+    rng = random.Random(args.seed)
+    start = time.time()
+    pipe = build_tiny_av_pipeline(vocabulary(), DEMO_SIZES, seed=args.seed)
+    ema, taken = train(pipe, args.steps, args.batch, args.lr, args.ema, rng, args.max_minutes, args.eval_every)
+    print(f"final eval (EMA): {quick_eval(ema, n_seeds=4)}", flush=True)
+    ema.save_pretrained(out)
+    minutes = (time.time() - start) / 60
+    (out / "pretraining.json").write_text(json.dumps({**vars(args), "steps_taken": taken, "minutes": minutes,
+                                                      "sizes": vars(DEMO_SIZES)}, indent=2))
+    print(f"saved to {out} after {minutes:.1f} min", flush=True)
+    if args.baseline:
+        print(json.dumps(measure_baseline(out), indent=2))
+
+
+if __name__ == "__main__":
+    main()
