@@ -9,6 +9,14 @@ are counted as its samples. Beside accuracy, every evaluation records two quanti
 optimises: the within-prompt latent diversity and JPEG compressibility (an image-quality proxy),
 the reward-hacking check. Writes ``<out>/objectives.json``, ``<out>/objectives.png`` and prints
 a Markdown table. Runs one method after another: do not run anything else on the machine.
+
+DDPO needs an ε-prediction model, so it trains the UNet variant of the demo model (shapes-sd15,
+``configs/shapes_ddpo.yaml``): a different base model with its own baseline (its first point). Its
+curve is dashed and its row names its model: compare it with its own "before", not with the
+others'. ``--merge`` keeps the other methods already in ``<out>/objectives.json`` (same budget),
+e.g. to add DDPO to a finished benchmark:
+
+    python scripts/benchmark_objectives.py --minutes 4 --threads 1 --methods ddpo --merge --out runs/objectives
 """
 
 from __future__ import annotations
@@ -29,7 +37,9 @@ METHODS = {  # name → (recipe, overrides)
     "dance_grpo": ("configs/shapes_dance_grpo.yaml", []),
     "gdro": ("configs/shapes_gdro.yaml", []),
     "diffusion_nft": ("configs/shapes_nft.yaml", []),
+    "ddpo": ("configs/shapes_ddpo.yaml", []),  # on shapes-sd15 (UNet, ε-prediction): a different base model
 }
+DEMO_MODEL = "shapes-sd3"  # the model of every recipe but DDPO's
 
 
 def run_method(name: str, minutes: float, eval_every: int, out: Path, gdro_groups: int, threads: int) -> dict:
@@ -57,8 +67,8 @@ def run_method(name: str, minutes: float, eval_every: int, out: Path, gdro_group
                        "latent_diversity": result["latent_diversity"],
                        "jpeg_compressibility": result["jpeg_compressibility"]})
     points.sort(key=lambda p: p["minutes"])
-    return {"recipe": recipe, "overrides": overrides, "generation_minutes": generation_s / 60, "points": points,
-            "epochs": summary["epochs"]}
+    return {"recipe": recipe, "overrides": overrides, "model": config.model.path,
+            "generation_minutes": generation_s / 60, "points": points, "epochs": summary["epochs"]}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -70,9 +80,12 @@ def plot(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for name, r in results.items():
         pts = r["points"]
-        axes[0].plot([p["minutes"] for p in pts], [p["accuracy"] for p in pts], marker="o", label=name)
-        axes[1].plot([p["samples"] for p in pts], [p["accuracy"] for p in pts], marker="o", label=name)
-        axes[2].plot([p["minutes"] for p in pts], [p["latent_diversity"] for p in pts], marker="o", label=name)
+        model = r.get("model", DEMO_MODEL)
+        style = {"marker": "o", "label": name if model == DEMO_MODEL else f"{name} ({model}: own baseline)",
+                 "linestyle": "-" if model == DEMO_MODEL else "--"}
+        axes[0].plot([p["minutes"] for p in pts], [p["accuracy"] for p in pts], **style)
+        axes[1].plot([p["samples"] for p in pts], [p["accuracy"] for p in pts], **style)
+        axes[2].plot([p["minutes"] for p in pts], [p["latent_diversity"] for p in pts], **style)
     for ax, xlabel, ylabel in zip(axes, ("training minutes (2 CPU cores)", "generated samples", "training minutes"),
                                   ("held-out accuracy (ODE)", "held-out accuracy (ODE)", "within-prompt diversity")):
         ax.set_xlabel(xlabel)
@@ -91,6 +104,8 @@ def main() -> None:
     parser.add_argument("--gdro-groups", type=int, default=256, help="offline groups GDRO generates (in budget)")
     parser.add_argument("--out", default="runs/objectives")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other methods' results already in <out>/objectives.json (same --minutes)")
     args = parser.parse_args()
     import torch
 
@@ -98,15 +113,23 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {}
+    if args.merge and (out / "objectives.json").is_file():
+        previous = json.loads((out / "objectives.json").read_text())
+        if previous["minutes"] != args.minutes:
+            raise SystemExit(f"--merge: {out / 'objectives.json'} has a {previous['minutes']}-minute budget, "
+                             f"not {args.minutes}")
+        results = previous["results"]
     for name in args.methods.split(","):
         results[name] = run_method(name, args.minutes, args.eval_every, out, args.gdro_groups, args.threads)
         (out / "objectives.json").write_text(json.dumps({"minutes": args.minutes, "results": results}, indent=2))
     plot(results, out / "objectives.png")
-    print("| method | minutes | samples | accuracy before → after | category mean | diversity | JPEG (not optimised) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| method | model | minutes | samples | accuracy before → after | category mean | diversity "
+          "| JPEG (not optimised) |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         first, last = r["points"][0], r["points"][-1]
-        print(f"| {name} | {last['minutes']:.1f} | {last['samples']} | {first['accuracy']:.3f} → {last['accuracy']:.3f}"
+        print(f"| {name} | {r.get('model', DEMO_MODEL)} | {last['minutes']:.1f} | {last['samples']}"
+              f" | {first['accuracy']:.3f} → {last['accuracy']:.3f}"
               f" | {first['accuracy_category_mean']:.3f} → {last['accuracy_category_mean']:.3f}"
               f" | {first['latent_diversity']:.3f} → {last['latent_diversity']:.3f}"
               f" | {first['jpeg_compressibility']:.3f} → {last['jpeg_compressibility']:.3f} |")

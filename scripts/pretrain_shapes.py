@@ -1,4 +1,6 @@
-"""Pre-train the built-in shapes demo model (a small real StableDiffusion3Pipeline) on a CPU.
+"""Pre-train the built-in shapes demo models on a CPU: shapes-sd3 (a small real
+StableDiffusion3Pipeline, ``--family sd3``) and its UNet variant shapes-sd15 (a small real
+StableDiffusionPipeline, ``--family sd``).
 
 Two stages, both on scenes drawn by ``flowalign.worlds.shapes`` from the *whole* prompt space
 (the "web data" of this world; RL later trains on the train split only):
@@ -12,11 +14,27 @@ Two stages, both on scenes drawn by ``flowalign.worlds.shapes`` from the *whole*
    on them draws blobs with bleeding colours; the decoder, trained on posterior samples, decodes
    the means losslessly (the printed reconstruction accuracy).
 
+``--family sd`` (shapes-sd15, for DDPO) skips stage 1: it reuses shapes-sd3's trained
+``AutoencoderKL`` and its first CLIP text encoder + tokenizer (``--source``, loaded with
+``from_pretrained``), and trains a new ``UNet2DConditionModel`` with DDPM's ε-prediction loss
+(t uniform over the 1000 training timesteps, x_t = √ᾱ_t·x0 + √(1 − ᾱ_t)·ε) under SD1.5's noise
+schedule, the ``DDIMScheduler`` the SD adapter samples with (``pipelines.tiny.SD_BETAS``,
+``clip_sample=False``, ``set_alpha_to_one=False``), on the same posterior means and caption dropout.
+The text encoder is fine-tuned jointly, as for shapes-sd3: SD1.x reads the *last* hidden states,
+a layer shapes-sd3 only trained through its pooled projection. Latent scale: SD1.x pipelines
+hand the decoder latents / ``scaling_factor`` and have no shift, so the VAE is saved with
+``shift_factor`` None (the adapter then adds none either: ``DenoiserAdapter.vae_latents``) and the
+UNet learns x0 = mean · scaling_factor, unshifted, as SD1.x's latents are; shapes-sd3's shift is
+0.0196 against a latent std of 0.66 (x0 has mean ≈ 0.03, std 1). The UNet has cross-attention at
+8×8 and 4×4 only (``SD15_UNET``): one at 16×16 triples the step time on one CPU thread.
+
 The result is saved with ``save_pretrained`` (safetensors), with its settings in
 ``pretraining.json``; ``scripts/measure_baseline.py`` then writes its held-out accuracy per
 category (``baseline.json``) with the evaluation settings of the demo config.
 
     python scripts/pretrain_shapes.py --out pipelines/demo_models/shapes-sd3
+    python scripts/pretrain_shapes.py --family sd --out pipelines/demo_models/shapes-sd15 --threads 1 \
+        --dataset 40000 --flow-steps 3600
 """
 
 from __future__ import annotations
@@ -34,10 +52,15 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from flowalign.worlds.shapes import render_scene, sample_specs, to_array, vocabulary
-from pipelines.tiny import TinySD3Sizes, build_tiny_sd3_pipeline
+from pipelines.base import resolve_model_path
+from pipelines.tiny import SD_BETAS, TinySD3Sizes, build_tiny_sd3_pipeline
 
 DEMO_SIZES = TinySD3Sizes(image_size=32, vae_channels=(16, 32), text_hidden=64, text_projection=32,
                           layers=6, heads=4, head_dim=24, max_prompt_tokens=16)
+# shapes-sd15's UNet (16×16×4 latents): 1.69 M parameters, cross-attention in the two lower levels
+SD15_UNET = dict(block_out_channels=(32, 64, 64), layers_per_block=1, attention_head_dim=4, norm_num_groups=8,
+                 down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                 up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"))
 
 
 def scenes(n: int, rng: random.Random) -> tuple[torch.Tensor, list[str]]:
@@ -84,29 +107,50 @@ def encode_dataset(vae, n: int, rng: random.Random, batch: int = 256):
     return torch.cat(means), captions
 
 
-def train_flow(pipe, means, captions, steps: int, batch: int, rng: random.Random, lr: float) -> None:
-    vae, transformer = pipe.vae, pipe.transformer
-    encoders = [pipe.text_encoder, pipe.text_encoder_2]
-    params = [p for m in [transformer, *encoders] for p in m.parameters()]
+def _optimizer(params, steps: int, lr: float):
+    """AdamW with a linear warm-up and a cosine decay to 10 % of lr."""
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     warmup = min(200, steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps))))
-    shift, scale = vae.config.shift_factor, vae.config.scaling_factor
+    return opt, sched
+
+
+def train_denoiser(pipe, means, captions, steps: int, batch: int, rng: random.Random, lr: float) -> None:
+    """Stage 2 for either family: the denoiser and its text encoders on batches of posterior means,
+    10 % of the captions dropped to "" (CFG). sd3: rectified flow; sd: DDPM ε-prediction."""
+    sd3 = hasattr(pipe, "transformer")
+    vae, denoiser = pipe.vae, (pipe.transformer if sd3 else pipe.unet)
+    encoders = [pipe.text_encoder, pipe.text_encoder_2] if sd3 else [pipe.text_encoder]
+    params = [p for m in [denoiser, *encoders] for p in m.parameters()]
+    for m in [denoiser, *encoders]:
+        m.train().requires_grad_(True)
+    opt, sched = _optimizer(params, steps, lr)
+    shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
+    alphas = None if sd3 else pipe.scheduler.alphas_cumprod.float()
     g = torch.Generator().manual_seed(rng.randrange(2**31))
-    bar = tqdm(range(steps), desc="flow")
+    bar = tqdm(range(steps), desc="flow" if sd3 else "ddpm")
     for step in bar:
         idx = torch.randint(len(captions), (batch,), generator=g)
         x0 = (means[idx] - shift) * scale
         prompts = [captions[i] if rng.random() > 0.1 else "" for i in idx.tolist()]
-        embeds, _, pooled, _ = pipe.encode_prompt(prompts, prompts, None, do_classifier_free_guidance=False,
-                                                  max_sequence_length=1)
-        sigma = torch.sigmoid(torch.randn(batch, generator=g)).view(-1, 1, 1, 1)  # logit-normal
         noise = torch.randn(x0.shape, generator=g)
-        xt = (1 - sigma) * x0 + sigma * noise
-        v = transformer(hidden_states=xt, timestep=sigma.flatten() * 1000, encoder_hidden_states=embeds,
-                        pooled_projections=pooled).sample
-        loss = F.mse_loss(v, noise - x0)
+        if sd3:
+            embeds, _, pooled, _ = pipe.encode_prompt(prompts, prompts, None, do_classifier_free_guidance=False,
+                                                      max_sequence_length=1)
+            sigma = torch.sigmoid(torch.randn(batch, generator=g)).view(-1, 1, 1, 1)  # logit-normal
+            xt = (1 - sigma) * x0 + sigma * noise
+            out = denoiser(hidden_states=xt, timestep=sigma.flatten() * 1000, encoder_hidden_states=embeds,
+                           pooled_projections=pooled).sample
+            target = noise - x0
+        else:
+            embeds, _ = pipe.encode_prompt(prompts, "cpu", 1, False)
+            t = torch.randint(len(alphas), (batch,), generator=g)
+            a = alphas[t].view(-1, 1, 1, 1)
+            xt = a.sqrt() * x0 + (1 - a).sqrt() * noise  # DDPMScheduler.add_noise
+            out = denoiser(xt, t, encoder_hidden_states=embeds).sample
+            target = noise
+        loss = F.mse_loss(out, target)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -116,29 +160,73 @@ def train_flow(pipe, means, captions, steps: int, batch: int, rng: random.Random
             bar.set_postfix(loss=f"{loss.item():.4f}")
 
 
+def build_sd_from_sd3(source: str, seed: int):
+    """shapes-sd15 before stage 2: shapes-sd3's VAE (shift dropped, see the module docstring) and
+    first CLIP text encoder + tokenizer, a new UNet, SD1.5's DDIM schedule."""
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    torch.manual_seed(seed)
+    source = resolve_model_path(source)
+    vae = AutoencoderKL.from_pretrained(source, subfolder="vae")
+    vae.register_to_config(shift_factor=None)
+    text_encoder = CLIPTextModel.from_pretrained(source, subfolder="text_encoder")  # its projection is unused
+    tokenizer = CLIPTokenizer.from_pretrained(source, subfolder="tokenizer")
+    latent = vae.config.sample_size // 2 ** (len(vae.config.block_out_channels) - 1)
+    unet = UNet2DConditionModel(sample_size=latent, in_channels=vae.config.latent_channels,
+                                out_channels=vae.config.latent_channels,
+                                cross_attention_dim=text_encoder.config.hidden_size, **SD15_UNET)
+    return StableDiffusionPipeline(
+        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+        scheduler=DDIMScheduler(**SD_BETAS, clip_sample=False, set_alpha_to_one=False),
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+
+
+def weights_mb(pipe) -> float:
+    return sum(p.numel() * p.element_size() for m in pipe.components.values() if isinstance(m, torch.nn.Module)
+               for p in m.parameters()) / 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="pipelines/demo_models/shapes-sd3", help="output folder (diffusers format)")
+    parser.add_argument("--family", choices=("sd3", "sd"), default="sd3",
+                        help="sd3: shapes-sd3 from scratch; sd: the UNet variant on shapes-sd3's VAE and text encoder")
+    parser.add_argument("--out", default=None, help="output folder (diffusers format); default "
+                        "pipelines/demo_models/shapes-sd3 or, for --family sd, shapes-sd15")
+    parser.add_argument("--source", default="shapes-sd3", help="--family sd: the model whose VAE, first text "
+                        "encoder and tokenizer are reused (a demo name or folder)")
     parser.add_argument("--vae-steps", type=int, default=1200)
     parser.add_argument("--vae-batch", type=int, default=32)
     parser.add_argument("--dataset", type=int, default=60_000, help="scenes encoded once for stage 2")
-    parser.add_argument("--flow-steps", type=int, default=6000)
+    parser.add_argument("--flow-steps", type=int, default=6000, help="stage-2 steps (flow or DDPM)")
     parser.add_argument("--flow-batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--init", default=None,
-                        help="continue stage 2 from this saved model (its VAE and latent scale are kept)")
+                        help="continue stage 2 from this saved model of --family (its VAE and latent scale are kept)")
     args = parser.parse_args()
+    args.out = args.out or f"pipelines/demo_models/{'shapes-sd3' if args.family == 'sd3' else 'shapes-sd15'}"
     torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
     start = time.time()
+    extra = {}
 
     if args.init:
-        from diffusers import StableDiffusion3Pipeline
+        from diffusers import StableDiffusion3Pipeline, StableDiffusionPipeline
 
-        pipe = StableDiffusion3Pipeline.from_pretrained(args.init, text_encoder_3=None, tokenizer_3=None)
+        if args.family == "sd3":
+            pipe = StableDiffusion3Pipeline.from_pretrained(args.init, text_encoder_3=None, tokenizer_3=None)
+        else:
+            pipe = StableDiffusionPipeline.from_pretrained(args.init, safety_checker=None,
+                                                           requires_safety_checker=False)
         pipe.vae.eval().requires_grad_(False)
+        means, captions = encode_dataset(pipe.vae, args.dataset, rng)
+    elif args.family == "sd":
+        pipe = build_sd_from_sd3(args.source, args.seed)
+        pipe.vae.eval().requires_grad_(False)
+        extra["vae_reconstruction_accuracy"] = reconstruction_accuracy(pipe.vae, rng)
+        print(f"verifier accuracy on VAE reconstructions: {extra['vae_reconstruction_accuracy']:.3f}")
         means, captions = encode_dataset(pipe.vae, args.dataset, rng)
     else:
         pipe = build_tiny_sd3_pipeline(vocabulary(), DEMO_SIZES, seed=args.seed)
@@ -147,11 +235,19 @@ def main() -> None:
         print(f"verifier accuracy on VAE reconstructions: {reconstruction_accuracy(pipe.vae, rng):.3f}")
         means, captions = encode_dataset(pipe.vae, args.dataset, rng)
         pipe.vae.register_to_config(shift_factor=means.mean().item(), scaling_factor=1.0 / means.std().item())
-    train_flow(pipe, means, captions, args.flow_steps, args.flow_batch, rng, args.lr)
+    if args.family == "sd":
+        scaled = means * pipe.vae.config.scaling_factor
+        extra.update(latent_mean=scaled.mean().item(), latent_std=scaled.std().item(), weights_mb=weights_mb(pipe))
+        print(f"x0 = mean · scaling_factor: mean {extra['latent_mean']:.3f}, std {extra['latent_std']:.3f}; "
+              f"weights {extra['weights_mb']:.2f} MB")
+    train_denoiser(pipe, means, captions, args.flow_steps, args.flow_batch, rng, args.lr)
 
     out = Path(args.out)
     pipe.save_pretrained(out)
-    (out / "pretraining.json").write_text(json.dumps({**vars(args), "minutes": (time.time() - start) / 60}, indent=2))
+    settings = {k: v for k, v in vars(args).items()
+                if not (args.family == "sd" and k in ("vae_steps", "vae_batch"))}  # sd trains no VAE
+    (out / "pretraining.json").write_text(json.dumps(
+        {**settings, **extra, "minutes": (time.time() - start) / 60}, indent=2))
     print(f"saved to {out} after {(time.time() - start) / 60:.1f} min")
 
 
