@@ -26,7 +26,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                                                   "size, kwargs) is used; the flags below override it")
     p.add_argument("--model", default=None, help="built-in demo name, local diffusers folder or hub id "
                                                  "(default: shapes-sd3)")
-    p.add_argument("--family", default=None, help="adapter family (default: sd3)")
+    p.add_argument("--family", default=None, help="adapter family (default: the one whose pipeline a local --model folder's "
+                   "model_index.json names, else sd3)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="weights dtype (default: float32)")
     p.add_argument("--attention", default=None, choices=("auto", "sdpa", "xformers"),
@@ -54,7 +55,12 @@ def _model_loading(args) -> tuple[str, str, dict]:
     from flowalign.config import ConfigError, load_config, parse_override
     from flowalign.preflight import check_model
 
-    overrides = [f"model.{k}={v}" for k, v in (("path", args.model), ("family", args.family), ("dtype", args.dtype),
+    from pipelines import folder_family
+
+    family = args.family
+    if family is None and args.config is None and args.model is not None:
+        family = folder_family(args.model)  # a local folder names its pipeline: no --family needed
+    overrides = [f"model.{k}={v}" for k, v in (("path", args.model), ("family", family), ("dtype", args.dtype),
                                                  ("attention", args.attention)) if v is not None]
     if args.model_kwargs is not None:
         _, kwargs = parse_override(f"x={args.model_kwargs}")

@@ -138,6 +138,10 @@ class TrainConfig:
     noise_draws: int = 4  # noising draws (distinct schedule σ's) per sample per minibatch
     nft_old_decay_rate: float = 0.001  # the old policy's EMA decay after epoch e: min(max, rate·e)
     nft_old_decay_max: float = 0.5
+    # every sample of a group gets the same noising draws (σ and ε) and a group trains in one
+    # minibatch: common random numbers. The NFT gradient is Σ_i (2r_i − 1)·(x0_i − x̂0_i), and the ε
+    # part of x̂0 is then shared, so it cancels against the group's centred r instead of adding noise.
+    nft_shared_noising: bool = False
     # GDRO (method: gdro; flowalign/objectives/gdro.py): implicit-reward scale, target temperature,
     # weight of the flow-matching loss on each group's best sample
     gdro_beta: float = 6.0
@@ -348,8 +352,9 @@ def check_values(config: RunConfig, where: str = "config") -> None:
         ("eval.num_steps", config.eval.num_steps is None or config.eval.num_steps >= 1, "must be ≥ 1 (or null)"),
         ("sampling.eta", s.eta > 0 or config.method in ("diffusion_nft", "gdro"),
          "must be > 0 to train with log-probabilities (η = 0 is ODE sampling; diffusion_nft and gdro allow it)"),
-        ("train.train_batch_size", config.method != "gdro" or t.train_batch_size % t.group_size == 0,
-         "must be a multiple of train.group_size for gdro (a minibatch holds whole groups)"),
+        ("train.train_batch_size", (config.method != "gdro" and not t.nft_shared_noising)
+         or t.train_batch_size % t.group_size == 0,
+         "must be a multiple of train.group_size for gdro and train.nft_shared_noising (a minibatch holds whole groups)"),
         ("train.gdro_tau", t.gdro_tau > 0, "must be > 0"),
         ("explore.mode", config.explore.mode == "none" or config.method in ("flow_grpo", "dance_grpo"),
          "needs a method that trains on SDE log-probabilities (flow_grpo, dance_grpo)"),

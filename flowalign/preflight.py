@@ -65,10 +65,14 @@ def adapter_for(config: RunConfig):
 
 def check_model(config: RunConfig):
     """Family, method, adapter options and switches; returns the adapter class."""
-    from pipelines import check_adapter_options
+    from pipelines import check_adapter_options, check_folder_family
 
     m = config.model
     cls = adapter_for(config)
+    try:
+        check_folder_family(m.family, m.path)
+    except ValueError as error:
+        raise ConfigError(f"config: model.family: {error}") from None
     prediction = getattr(cls, "prediction", "velocity")
     check_method_family(config.method, m.family, prediction)
     if prediction == "logits":

@@ -50,8 +50,8 @@ from tqdm.auto import tqdm
 from flowalign.advantages import PerPromptStatTracker, combine_rewards, extremes_mask, group_advantages
 from flowalign.config import ConfigError, RunConfig, to_dict
 from flowalign.grids import as_image_cells, save_grid, side_by_side, to_pil_grid
-from flowalign.objectives.av_routing import (RewardRouter, branch_advantages, layer_gradient_scales, nft_sensitivity,
-                                             routed_nft_loss, token_weights)
+from flowalign.objectives.av_routing import (RewardRouter, branch_advantages, branch_contrasts, interaction_gram,
+                                             layer_gradient_scales, routed_nft_loss, token_weights)
 from flowalign.objectives.diffusion_nft import diffusion_nft_loss, old_policy_decay, optimality_probability
 from flowalign.objectives.flow_grpo import flow_grpo_loss
 from flowalign.objectives.gdro import gdro_loss
@@ -632,8 +632,9 @@ class Trainer:
         count, skipped = 0, 0
         self.model.train()
         for _ in range(t.inner_epochs):
-            draws = self._forward_draws(traj, t.group_size if self.gdro else 1) if self.forward_process else None
-            for idx in self._minibatches(len(batch.specs), t.group_size if self.gdro else 1):
+            unit = t.group_size if self.gdro or (self.nft and t.nft_shared_noising) else 1  # samples sharing draws
+            draws = self._forward_draws(traj, unit) if self.forward_process else None
+            for idx in self._minibatches(len(batch.specs), unit):
                 sub, adv = traj[idx], advantages[idx]
                 step_totals, finite = {}, True
                 for j in steps:
@@ -746,6 +747,7 @@ class Trainer:
                               threshold=r.threshold, max_residual=r.max_residual, gram_decay=r.gram_decay)
         self._layer_scales: dict[str, float] = {}
         self._layer_sums: dict[str, list[float]] = {}
+        self._probe_due = True  # the reward-gradient Gram is measured on each epoch's first minibatch
         if r.influence:  # each cross-modal module's gradients scaled by its influence (constant within an epoch)
             if not hasattr(self.adapter, "record_cross_modal"):
                 raise ConfigError(f"config: routing.influence reads the cross-modal attention during the forward "
@@ -787,16 +789,38 @@ class Trainer:
             prob = optimality_probability(combined, t.advantage_clip)[:, None]
         loss, stats = routed_nft_loss(v_theta, v_old, x_t, x0, sigma, prob, masks, beta=t.nft_beta,
                                       elem_weight=elem_weight, v_ref=v_ref, kl_beta=t.kl_beta, weight=weight)
-        if r.reweight:
-            with torch.no_grad():
-                tt = sigma.float().view(-1, 1)
-                vd = v_theta.detach().float()
-                sens = nft_sensitivity(x_t - tt * (t.nft_beta * vd + (1 - t.nft_beta) * v_old),
-                                       x_t - tt * ((1 + t.nft_beta) * v_old - t.nft_beta * vd), x0, sigma,
-                                       t.nft_beta, masks, elem_weight)
-                keep = weight.bool()
-                self.router.observe(optimality_probability(per_reward, t.advantage_clip)[keep] - 0.5, sens[keep])
+        if r.reweight and self._probe_due:
+            self._probe_due = False
+            self.router.observe(self._interaction_gram(v_theta, v_old, x_t, x0, sigma, masks, elem_weight,
+                                                       optimality_probability(per_reward, t.advantage_clip) - 0.5,
+                                                       weight.bool()))
         return loss, stats
+
+    def _interaction_gram(self, v_theta, v_old, x_t, x0, sigma, masks, elem_weight, centred, keep) -> torch.Tensor:
+        """The reward-gradient Gram [M, K, K] of one minibatch (``interaction_gram``): one backward pass
+        per (branch, routed reward, half of the kept samples), through the graph the loss then reuses."""
+        contrast = branch_contrasts(v_theta, v_old, x_t, x0, sigma, masks, beta=self.config.train.nft_beta,
+                                    elem_weight=elem_weight)  # [b, M]
+        kept = keep.nonzero().flatten()
+        halves = (kept[0::2], kept[1::2])
+        n_branch, n_reward = self.router.priors.shape
+        gram = torch.zeros(n_branch, n_reward, n_reward)
+        if len(halves[1]) == 0:
+            return gram
+        for b in range(n_branch):
+            routed = [k for k in range(n_reward) if self.router.priors[b, k] > 0]
+            grads = []
+            for half in halves:
+                rows = []
+                for k in routed:
+                    objective = (centred[half, k] * contrast[half, b]).mean()
+                    g = torch.autograd.grad(objective, self.params, retain_graph=True, allow_unused=True)
+                    rows.append(torch.cat([(gi if gi is not None else torch.zeros_like(p)).flatten().float()
+                                           for gi, p in zip(g, self.params)]))
+                grads.append(torch.stack(rows))
+            idx = torch.tensor(routed)
+            gram[b, idx[:, None], idx[None, :]] = interaction_gram(*grads).cpu()
+        return gram
 
     def _end_routing_epoch(self) -> dict:
         """Fold this epoch's interactions and influences (over all processes) into the router."""
@@ -804,6 +828,7 @@ class Trainer:
         pending = router.pending_gram
         router.pending_gram = self._across_processes(pending.flatten().tolist()).sum(0).float().view_as(pending)
         router.end_epoch(self.epoch + 1)
+        self._probe_due = True
         names = list(self.config.reward.weights)
         if self.config.routing.reweight:
             for b, branch in enumerate(BRANCHES):
@@ -835,7 +860,7 @@ class Trainer:
     def _forward_draws(self, traj: Trajectory, share: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Noising draws (DiffusionNFT, GDRO) for one inner epoch, from each shard's noise stream:
         schedule indices long [B, K] (K distinct steps per sample) and noise [B, K, ...]; ``share``
-        consecutive samples (a GDRO group) get the same draws."""
+        consecutive samples (a GDRO group, an NFT group under train.nft_shared_noising) get the same draws."""
         k, n_steps = self.config.train.noise_draws, len(traj.timesteps)
         per_shard = len(traj.latents) // len(self.streams) // share
         indices, noise = [], []

@@ -85,6 +85,36 @@ def _type_text(tp) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+def folder_family(path: str) -> str | None:
+    """The family whose pipeline class a local model folder's ``model_index.json`` names, or None
+    (a hub id, a folder without one, or a pipeline no family wraps)."""
+    import json
+    from pathlib import Path
+
+    try:
+        index = Path(resolve_model_path(path)) / "model_index.json"
+    except ModelNotFoundError:  # the loader says which path was tried
+        return None
+    if not index.is_file():
+        return None
+    name = json.loads(index.read_text()).get("_class_name")
+    for family in FAMILIES:
+        pipeline = getattr(adapter_class(family), "pipeline_class", None)
+        if getattr(pipeline, "__name__", None) == name:
+            return family
+    return None
+
+
+def check_folder_family(family: str, path: str) -> None:
+    """Raise ``ValueError`` when ``path`` is a local folder of another family's pipeline (it would
+    otherwise fail deep inside diffusers with a missing-component error)."""
+    found = folder_family(path)
+    if found is not None and found != family:
+        pipeline = adapter_class(found).pipeline_class.__name__
+        raise ValueError(f"model {path!r} is a {pipeline} (model family {found!r}), not a {family!r} model: "
+                         f"set model.family={found} (flowalign sample/grid/eval: --family {found})")
+
+
 def load_adapter(family: str, path: str, *, dtype: str = "float32", device="cpu", trained=None,
                  height: int | None = None, width: int | None = None, num_frames: int | None = None,
                  attention: str = "auto", options: dict | None = None):
@@ -101,6 +131,7 @@ def load_adapter(family: str, path: str, *, dtype: str = "float32", device="cpu"
     cls = adapter_class(family)
     options = dict(options or {})
     check_adapter_options(family, options)
+    check_folder_family(family, path)
     backend, message = resolve_attention(attention, device, getattr(cls, "supports_xformers", True))
     switches = {name: options.pop(name) for name in LOAD_OPTIONS if name in options}
     sizes = {k: v for k, v in (("height", height), ("width", width), ("num_frames", num_frames)) if v is not None}
@@ -117,4 +148,4 @@ def load_adapter(family: str, path: str, *, dtype: str = "float32", device="cpu"
 
 
 __all__ = ["Adapter", "Conditioning", "ModelNotFoundError", "Schedule", "adapter_class", "adapter_options",
-           "check_adapter_options", "load_adapter", "resolve_model_path"]
+           "check_adapter_options", "check_folder_family", "folder_family", "load_adapter", "resolve_model_path"]

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from flowalign.objectives.av_routing import (branch_advantages, layer_gradient_scales, nft_sensitivity,
-                                             residual_weights, response_ratio, reward_gradient_gram,
+from flowalign.objectives.av_routing import (branch_advantages, branch_contrasts, interaction_gram,
+                                             layer_gradient_scales, residual_weights, response_ratio,
                                              routed_nft_loss, routed_priors, token_weights)
 from flowalign.objectives.diffusion_nft import diffusion_nft_loss
 
@@ -44,57 +44,71 @@ def test_each_branch_trains_only_on_its_own_advantage():
     assert not torch.allclose(grads[0][:, 6:], grads[1][:, 6:])
 
 
-def test_sensitivity_is_the_autograd_norm_of_the_positive_minus_negative_gradient():
+def test_contrast_is_what_each_branchs_r_multiplies_in_the_loss():
     v, v_old, x_t, x0, t = _batch(seed=1)
-    beta = 0.5
     masks = torch.zeros(2, 10, dtype=torch.bool)
     masks[0, :7], masks[1, 7:] = True, True
     elem = torch.rand(3, 10, generator=torch.Generator().manual_seed(2)) + 0.5
-    zeros = torch.zeros(3, 2)
-    tt = t[:, None]
-    pos_hat = x_t - tt * (beta * v.detach() + (1 - beta) * v_old)
-    neg_hat = x_t - tt * ((1 + beta) * v_old - beta * v.detach())
-    s = nft_sensitivity(pos_hat, neg_hat, x0, t, beta, masks, elem)
-    for b in range(2):
-        r1, r0 = zeros.clone(), zeros.clone()
-        r1[:, b] = 1.0
-        diff = routed_nft_loss(v, v_old, x_t, x0, t, r1, masks, beta=beta, elem_weight=elem)[0] \
-            - routed_nft_loss(v, v_old, x_t, x0, t, r0, masks, beta=beta, elem_weight=elem)[0]
-        (g,) = torch.autograd.grad(diff * 3, v)  # ×3 undoes the mean over samples
-        n_b = masks[b].sum()
-        expected = ((g * masks[b]) ** 2).sum(1) * (beta * 10 / n_b) ** 2  # undo the branch factor n_b/(n·β)
-        assert torch.allclose(s[:, b], expected, rtol=1e-4), b
+    c = branch_contrasts(v, v_old, x_t, x0, t, masks, beta=0.5, elem_weight=elem)
+    r = torch.full((3, 2), 0.3, requires_grad=True)
+    loss, _ = routed_nft_loss(v, v_old, x_t, x0, t, r, masks, beta=0.5, elem_weight=elem)
+    (dr,) = torch.autograd.grad(loss, r)
+    torch.testing.assert_close(c.detach(), dr * 3)  # ×3 undoes the mean over samples: L is affine in r
+    (g,) = torch.autograd.grad(c[:, 1].sum(), v)
+    assert g[:, :7].abs().max() == 0 and g[:, 7:].abs().max() > 0  # branch 1's contrast sees its elements only
 
 
 def test_gram_and_cosines_match_a_hand_computation():
-    # two samples, two rewards: reward 1 says sample 0 is good, reward 2 says sample 1 is.
-    a = torch.tensor([[0.5, -0.25], [-0.5, 0.25]])
-    s = torch.tensor([[1.0], [3.0]])  # one branch, sample 1 three times as sensitive
-    gram = reward_gradient_gram(a, s)
-    # G_kj = Σ_i s_i a_ik a_ij
-    assert torch.allclose(gram[0], torch.tensor([[1.0, -0.5], [-0.5, 0.25]]))
+    # two rewards measured on two halves: reward 1 pushes along e1, reward 2 against it (plus e2)
+    grads_a = torch.tensor([[1.0, 0.0], [-0.5, 1.0]])
+    grads_b = torch.tensor([[1.0, 0.2], [-0.5, 0.0]])
+    gram = interaction_gram(grads_a, grads_b)[None]
+    # G = (g_A·g_Bᵀ + g_B·g_Aᵀ) / 2: ⟨a0,b0⟩ = 1, ⟨a1,b1⟩ = 0.25, (⟨a0,b1⟩ + ⟨a1,b0⟩) / 2 = (−0.5 − 0.3) / 2
+    assert torch.allclose(gram[0], torch.tensor([[1.0, -0.4], [-0.4, 0.25]]))
     priors = torch.tensor([[0.8, 0.2]])
     w, cos = residual_weights(priors, gram, active=True, strength=1.0, threshold=0.3, max_residual=2.0)
-    wgw = 0.8 * 0.7 + 0.2 * -0.35  # G w = [0.7, -0.35]
-    assert cos[0].tolist() == pytest.approx([0.7 / math.sqrt(1.0 * wgw), -0.35 / math.sqrt(0.25 * wgw)], rel=1e-5)
-    assert cos[0, 0] == pytest.approx(1.0) and cos[0, 1] == pytest.approx(-1.0)  # the dominant vs the suppressed
-    rho = torch.tensor([0.0, min(2.0, 0.3 + 1.0)])
+    gw = [0.8 - 0.08, -0.32 + 0.05]  # G w
+    wgw = 0.8 * gw[0] + 0.2 * gw[1]
+    assert cos[0].tolist() == pytest.approx([gw[0] / math.sqrt(1.0 * wgw), gw[1] / math.sqrt(0.25 * wgw)], rel=1e-5)
+    assert cos[0, 0] > 0.9 and cos[0, 1] < -0.7  # the dominant vs the suppressed
+    rho = torch.tensor([0.0, min(2.0, 0.3 - float(cos[0, 1]))])
     boosted = priors[0] * (1 + rho)
-    assert w[0].tolist() == pytest.approx((boosted * 1.0 / boosted.sum()).tolist(), rel=1e-5)
+    assert w[0].tolist() == pytest.approx((boosted / boosted.sum()).tolist(), rel=1e-5)
     assert w.sum().item() == pytest.approx(1.0)  # the row keeps its prior mass
+
+
+def test_the_half_split_gram_is_not_inflated_by_sampling_noise():
+    # per-sample gradients = a common direction + independent noise: the half-split diagonal
+    # estimates ‖mean‖², the same-sample product ‖mean‖² + noise / n
+    g = torch.Generator().manual_seed(0)
+    mean = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    split, same = [], []
+    for _ in range(400):
+        per_sample = mean + 2.0 * torch.randn(16, 4, generator=g)
+        a, b = per_sample[0::2].mean(0, keepdim=True), per_sample[1::2].mean(0, keepdim=True)
+        split.append(interaction_gram(a, b)[0, 0])
+        full = per_sample.mean(0, keepdim=True)
+        same.append(interaction_gram(full, full)[0, 0])
+    assert abs(torch.stack(split).mean() - 1.0) < 0.15
+    assert torch.stack(same).mean() > 1.7  # 1 + 4·4/16 = 2
+
+
+def _gram(a):
+    """The Gram of rewards whose per-sample gradients are one-hot per sample (a: [n, K] weights)."""
+    return interaction_gram(a.T, a.T)
 
 
 def test_priors_are_untouched_in_warmup_and_when_rewards_agree_and_zero_priors_stay_zero():
     a = torch.tensor([[0.4, 0.2, 0.3], [-0.4, -0.2, 0.1]])
-    gram = reward_gradient_gram(a, torch.ones(2, 2))
+    gram = torch.stack([_gram(a)] * 2)
     priors = routed_priors(torch.tensor([0.5, 0.4, 0.1]), torch.tensor([[True, True, False], [False, True, True]]))
     w, _ = residual_weights(priors, gram, active=False)
     assert w is priors  # warm-up: the priors themselves
     agree = torch.tensor([[0.4, 0.2, 0.1], [-0.4, -0.2, -0.1]])  # perfectly correlated rewards: cos = 1
-    w, cos = residual_weights(priors, reward_gradient_gram(agree, torch.ones(2, 2)), active=True)
+    w, cos = residual_weights(priors, torch.stack([_gram(agree)] * 2), active=True)
     assert torch.allclose(w, priors) and torch.allclose(cos[priors > 0], torch.ones(4))
     conflict = torch.tensor([[0.4, 0.2, -0.3], [-0.4, -0.2, 0.3]])
-    w, _ = residual_weights(priors, reward_gradient_gram(conflict, torch.ones(2, 2)), active=True)
+    w, _ = residual_weights(priors, torch.stack([_gram(conflict)] * 2), active=True)
     assert w[0, 2] == 0 and w[1, 0] == 0  # not routed there: stays 0
     assert w[1, 2] > priors[1, 2] and w[1, 1] < priors[1, 1]  # the suppressed reward gains on its branch
     assert torch.allclose(w.sum(1), priors.sum(1))

@@ -100,3 +100,49 @@ def test_nft_trains_samples_with_the_old_policy_and_resumes_exactly(tiny_sd3_dir
     keys = ["train/policy_loss", "reward/mean", "train/grad_norm", "train/nft_r"]
     assert [[h[k] for k in keys] for h in resumed.history] == [[h[k] for k in keys] for h in full.history]
     assert all(torch.equal(a, b) for a, b in zip(resumed.old.shadow, full.old.shadow))
+
+
+def test_at_the_old_policy_shared_noising_cancels_the_noise_against_centred_r():
+    # NFT's gradient at v_θ = v_old is Σ_i (2r_i − 1)·g_i (above); with one (t, ε) for the whole group
+    # and an old policy that sees only x_t, replacing ε by another draw changes every g_i by the same
+    # amount, which the centred (2r − 1) sums to zero, and the gradient on the trained parameters does not move.
+    x0 = torch.randn(4, 2, 4, 4, generator=torch.Generator().manual_seed(1))
+    r = torch.tensor([1.0, 0.75, 0.25, 0.0])  # Σ (2r − 1) = 0
+    t = torch.full((4,), 0.5)
+    layer = torch.nn.Conv2d(2, 2, 1)
+
+    def grad(eps):
+        x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
+        v = layer(x_t)
+        v_old = v.detach()
+        err = (x_t - t.view(-1, 1, 1, 1) * v - x0).flatten(1)
+        layer.zero_grad()
+        # the unweighted NFT loss (adaptive weights 1), whose gradient at v_old is Σ(2r−1)·∂‖x̂0 − x0‖²
+        loss = ((r * (err ** 2).mean(1)) + (1 - r) * ((x_t - t.view(-1, 1, 1, 1) * (2 * v_old - v) - x0)
+                                                    .flatten(1) ** 2).mean(1)).sum()
+        loss.backward()
+        return layer.bias.grad.clone()
+
+    g = torch.Generator().manual_seed(2)
+    shared = [grad(torch.randn(1, 2, 4, 4, generator=g).expand(4, -1, -1, -1)) for _ in range(2)]
+    own = [grad(torch.randn(4, 2, 4, 4, generator=g)) for _ in range(2)]
+    torch.testing.assert_close(shared[0], shared[1])  # the bias gradient sees the ε part only: it cancels
+    assert (own[0] - own[1]).abs().max() > 1e-3  # per-sample draws: it does not
+
+
+def test_shared_noising_gives_a_group_one_draw_and_trains_it_in_one_minibatch(tiny_sd3_dir, tmp_path):
+    from types import SimpleNamespace
+
+    from flowalign.config import ConfigError
+
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, *NFT, "train.nft_shared_noising=true",
+                                  "train.train_batch_size=4"))
+    traj = SimpleNamespace(timesteps=torch.arange(4), latents=torch.zeros(8, 1), samples=torch.zeros(8, 3, 2, 2))
+    steps, eps = trainer._forward_draws(traj, trainer.config.train.group_size)
+    for group in (slice(0, 4), slice(4, 8)):
+        assert (steps[group] == steps[group][:1]).all() and (eps[group] == eps[group][:1]).all()
+    assert not torch.equal(eps[0], eps[4])
+    assert {frozenset((i // 4 for i in idx.tolist())) for idx in trainer._minibatches(8, 4)} == {frozenset([0]),
+                                                                                                frozenset([1])}
+    with pytest.raises(ConfigError, match="train.train_batch_size"):
+        tiny_config(tiny_sd3_dir, tmp_path, *NFT, "train.nft_shared_noising=true", "train.train_batch_size=6")

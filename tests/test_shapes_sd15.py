@@ -50,3 +50,23 @@ def test_a_ddpo_epoch_runs_on_it(tmp_path):
     assert first["train/ratio"] == pytest.approx(1.0, abs=1e-6)  # one update per rollout: on policy
     assert first["train/grad_norm"] > 0
     assert (tmp_path / "final" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_a_folder_of_another_family_is_named_before_any_weight_loads(tmp_path):
+    from flowalign.config import ConfigError
+    from pipelines import folder_family
+
+    assert folder_family("shapes-sd15") == "sd" and folder_family("shapes-sd3") == "sd3"
+    assert folder_family("stabilityai/stable-diffusion-3.5-medium") is None  # a hub id: nothing to read
+    with pytest.raises(ConfigError, match=r"StableDiffusionPipeline \(model family 'sd'\).*model.family=sd"):
+        Trainer(load_config("configs/shapes_flow_grpo.yaml", ["model.path=shapes-sd15", "tracker=none",
+                                                              f"output_dir={tmp_path}"]))
+
+
+def test_flowalign_sample_reads_the_family_from_the_folder(tmp_path):
+    from flowalign.cli import main
+
+    out = tmp_path / "circle-{seed}.png"
+    assert main(["sample", "--model", "shapes-sd15", "a photo of a red circle", "--steps", "2", "--seeds", "0",
+                 "--out", str(out)]) == 0
+    assert (tmp_path / "circle-0.png").is_file()

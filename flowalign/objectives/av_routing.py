@@ -13,22 +13,25 @@ W[b, k] = p_k if reward k concerns branch b, else 0. Branch b trains with its ow
 A_b = Σ_k W[b, k]·A_k, so the video elements are not pushed around by audio-only rewards.
 
 **(ii) Preference-preserving modality-aware reweighting.** The NFT loss is affine in the
-optimality probability: per sample, L_i(r) = N_i + r·(P_i − N_i). The output-space gradient of
-reward k's loss on branch b is therefore (r_ik − ½)·d_i^b plus a part shared by every reward,
-with d_i^b = ∂(P_i − N_i)/∂v_θ restricted to branch b's elements. Samples' outputs are
-independent, so the reward-gradient interactions on branch b are the Gram matrix
+optimality probability: per sample and branch, L_i^b(r) = N_i^b + r·C_i^b with the contrast
+C_i^b = P_i^b − N_i^b. Reward k's own push on branch b is therefore the parameter gradient
 
-    G^b_kj = Σ_i s_i^b · a_ik · a_ij,    a_ik = r_ik − ½,    s_i^b = ‖d_i^b‖²,
+    g_k^b = ∇_θ mean_i a_ik·C_i^b,    a_ik = r_ik − ½,
 
-computed in closed form from the loss's own tensors (no extra backward pass; the parameter-space
-version would need K of them; this is its output-space proxy). Under the combined direction
-g = Σ_k W[b, k]·g_k, reward k improves at the normalised rate cos_k = (G w)_k / √(G_kk · wᵀGw).
-After ``warmup`` epochs each routed reward whose cos_k falls below ``threshold`` (it conflicts
-with, or is drowned by, the others) gets a residual: W[b, k] = p_k·(1 + ρ_k),
-ρ_k = min(ρ_max, strength·(threshold − cos_k)); each row is rescaled to keep its total prior
-mass. Priors stay the anchor: a reward the user weighted 0 stays 0, agreeing rewards keep their
-priors exactly, and during warm-up W is the routed priors unchanged. G is averaged over epochs
-(an EMA) because one batch's estimate is noisy.
+and the branch's reward-gradient interactions are the Gram matrix G^b_kj = ⟨g_k^b, g_j^b⟩. It is
+measured once per epoch on one minibatch, with one backward pass per (branch, reward, half): the
+minibatch is split in two halves A and B and G = (g^A·g^Bᵀ + g^B·g^Aᵀ) / 2, whose expectation is
+the Gram of the expected gradients (a half's sampling noise never multiplies itself, so the
+diagonal is not inflated by it). Under the combined direction g = Σ_k W[b, k]·g_k, reward k
+improves at the normalised rate cos_k = (G w)_k / √(G_kk · wᵀGw). After ``warmup`` epochs each
+routed reward whose cos_k falls below ``threshold`` (it conflicts with, or is drowned by, the
+others) gets a residual: W[b, k] = p_k·(1 + ρ_k), ρ_k = min(ρ_max, strength·(threshold − cos_k));
+each row is rescaled to keep its total prior mass. Priors stay the anchor: a reward the user
+weighted 0 stays 0, agreeing rewards keep their priors exactly, and during warm-up W is the
+routed priors unchanged. G is averaged over epochs (an EMA) because one minibatch's estimate is
+noisy. (An output-space proxy, Σ_i ‖∂C_i/∂v_θ‖²·a_ik·a_ij, costs no backward pass but treats the
+samples' outputs as independent parameters: on the audio-video world it put every cosine at
+0.6–0.9 while sync fell under fixed weights, because the conflict lives in the shared weights.)
 
 **(i) Cross-modal influence-guided routing.** Each block's ``audio_to_video_attn`` (video tokens
 query audio) and ``video_to_audio_attn`` respond to the other modality; the response ratio
@@ -51,6 +54,8 @@ from __future__ import annotations
 
 import torch
 
+from flowalign.objectives.diffusion_nft import weighted_error
+
 
 def routed_priors(priors: torch.Tensor, concerns: torch.Tensor) -> torch.Tensor:
     """W0[b, k] = p_k where reward k concerns branch b. priors: [K]; concerns: bool [M, K] → [M, K]."""
@@ -64,9 +69,11 @@ def branch_advantages(advantages: torch.Tensor, weights: torch.Tensor) -> torch.
     return advantages.float() @ weights.float().T
 
 
-def reward_gradient_gram(centred: torch.Tensor, sensitivity: torch.Tensor) -> torch.Tensor:
-    """G^b_kj = Σ_i s_i^b · a_ik · a_ij. centred a: [B, K] (r − ½ per reward); sensitivity s: [B, M] → [M, K, K]."""
-    return torch.einsum("ib,ik,ij->bkj", sensitivity.float(), centred.float(), centred.float())
+def interaction_gram(grads_a: torch.Tensor, grads_b: torch.Tensor) -> torch.Tensor:
+    """G = (g_A·g_Bᵀ + g_B·g_Aᵀ) / 2 from each reward's gradient on two independent halves of a
+    minibatch. grads_a, grads_b: [K, P] (one flattened parameter gradient per reward) → [K, K]."""
+    cross = grads_a.float() @ grads_b.float().T
+    return (cross + cross.T) / 2
 
 
 def residual_weights(
@@ -113,28 +120,27 @@ def layer_gradient_scales(layer_influence: torch.Tensor, low: float = 0.25, high
     return (u / u.mean().clamp(min=1e-12)).clamp(low, high)
 
 
-def nft_sensitivity(x0_hat_pos, x0_hat_neg, x0, t, beta: float, masks: torch.Tensor,
-                    elem_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """s_i^b = ‖∂(P_i − N_i)/∂v_θ‖² over branch b's elements, in closed form.
+def _branch_errors(x0_hat_pos, x0_hat_neg, x0, masks, elem_weight):
+    """(positive, negative) weighted errors per branch: ``weighted_error`` over each mask, [B, M] each."""
+    pos = torch.stack([weighted_error(x0_hat_pos, x0, m, elem_weight) for m in masks], 1)
+    neg = torch.stack([weighted_error(x0_hat_neg, x0, m, elem_weight) for m in masks], 1)
+    return pos, neg
 
-    With e± = x̂0(v±) − x0, n_b elements in the branch and the detached adaptive weights
-    w± = mean_b|e±|: P = Σ_b c·e⁺² / (n_b w⁺), ∂e⁺/∂v_θ = −tβ, ∂e⁻/∂v_θ = +tβ, so
-    ∂(P − N)/∂v_θ = −2tβ·c·(e⁺ / w⁺ + e⁻ / w⁻) / n_b (c: the element weight). The branch loss's
-    factor n_b / (n·β) is left out: a constant per branch, it cancels in the cosines of
-    ``residual_weights``. x̂0±, x0: [B, D...]; t: [B]; masks: bool [M, D...]. Returns [B, M].
-    """
-    t = t.float().reshape(-1, *([1] * (x0.ndim - 1)))
-    e_pos, e_neg = (x0_hat_pos - x0).float(), (x0_hat_neg - x0).float()
-    c = torch.ones_like(e_pos) if elem_weight is None else elem_weight.float()
-    out = []
-    for mask in masks:
-        n = mask.sum()
-        w_pos = (e_pos.abs() * mask).flatten(1).sum(1) / n
-        w_neg = (e_neg.abs() * mask).flatten(1).sum(1) / n
-        shape = (-1, *([1] * (x0.ndim - 1)))
-        d = -2 * t * beta * c * (e_pos / w_pos.clamp(min=1e-5).view(shape) + e_neg / w_neg.clamp(min=1e-5).view(shape)) / n
-        out.append(((d * mask) ** 2).flatten(1).sum(1))
-    return torch.stack(out, 1)
+
+def _implicit_x0(v_theta, v_old, x_t, t, beta):
+    """x̂0 of the implicit positive and negative policies v± (``diffusion_nft_loss``)."""
+    tt = t.float().reshape(-1, *([1] * (x_t.ndim - 1)))
+    v_old, v32, x_t = v_old.detach().float(), v_theta.float(), x_t.float()
+    return x_t - tt * (beta * v32 + (1 - beta) * v_old), x_t - tt * ((1 + beta) * v_old - beta * v32)
+
+
+def branch_contrasts(v_theta, v_old, x_t, x0, t, masks, *, beta: float,
+                     elem_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """C_i^b: what r_i^b multiplies in sample i's loss (``routed_nft_loss`` = mean_i Σ_b [N + r·C]),
+    with its graph to v_θ. Arguments as ``routed_nft_loss``'s. Returns [B, M]."""
+    pos, neg = _branch_errors(*_implicit_x0(v_theta, v_old, x_t, t, beta), x0.float(), masks, elem_weight)
+    share = masks.flatten(1).sum(1).float() / masks[0].numel()  # n_b / n
+    return share * (pos - neg) / beta
 
 
 def routed_nft_loss(
@@ -167,26 +173,16 @@ def routed_nft_loss(
         raise ValueError("branch masks must partition the latent elements")
     weight = torch.ones(x0.shape[0], device=x0.device) if weight is None else weight.float()
     denom = weight.sum().clamp(min=1.0)
-    tt = t.float().reshape(-1, *([1] * (x_t.ndim - 1)))
-    v_old, v32, x_t, x0 = v_old.detach().float(), v_theta.float(), x_t.float(), x0.float()
-    e_pos = x_t - tt * (beta * v32 + (1 - beta) * v_old) - x0
-    e_neg = x_t - tt * ((1 + beta) * v_old - beta * v32) - x0
-    c = torch.ones_like(e_pos) if elem_weight is None else elem_weight.float()
-    total = masks[0].numel()
-    per_sample = torch.zeros(x0.shape[0], device=x0.device)
-    stats = {}
-    for b, mask in enumerate(masks):
-        n = mask.sum()
-        pos = ((c * e_pos**2) * mask).flatten(1).sum(1) / n / ((e_pos.detach().abs() * mask).flatten(1).sum(1) / n).clamp(min=1e-5)
-        neg = ((c * e_neg**2) * mask).flatten(1).sum(1) / n / ((e_neg.detach().abs() * mask).flatten(1).sum(1) / n).clamp(min=1e-5)
-        per_sample = per_sample + (n / total) * (r[:, b] * pos + (1 - r[:, b]) * neg) / beta
-        stats[f"r_branch{b}"] = (r[:, b] * weight).sum() / denom
+    pos, neg = _branch_errors(*_implicit_x0(v_theta, v_old, x_t, t, beta), x0.float(), masks, elem_weight)
+    share = masks.flatten(1).sum(1).float() / masks[0].numel()
+    per_sample = (share * (r * pos + (1 - r) * neg)).sum(1) / beta
+    stats = {f"r_branch{b}": (r[:, b] * weight).sum() / denom for b in range(len(masks))}
     policy_loss = (per_sample * weight).sum() / denom
     loss, kl = policy_loss, torch.zeros((), device=x0.device)
     if kl_beta > 0:
         if v_ref is None:
             raise ValueError("kl_beta > 0 needs v_ref")
-        kl = (((v32 - v_ref.detach().float()) ** 2).flatten(1).mean(1) * weight).sum() / denom
+        kl = (((v_theta.float() - v_ref.detach().float()) ** 2).flatten(1).mean(1) * weight).sum() / denom
         loss = loss + kl_beta * kl
     stats.update(policy_loss=policy_loss.detach(), kl=kl.detach())
     return loss, {k: v.detach() for k, v in stats.items()}
@@ -196,7 +192,7 @@ class RewardRouter:
     """The state of routing over a run: priors W0 [M, K], the Gram's EMA [M, K, K], the current
     weights W [M, K] and each cross-modal module's mean response (an EMA, for its gradient scale).
 
-    ``observe`` adds one minibatch's centred optimality a [B, K] and sensitivity s [B, M];
+    ``observe`` adds one minibatch's interaction Gram [M, K, K] (``interaction_gram`` per branch);
     ``end_epoch(epoch)`` folds the epoch's Gram into the EMA and, from epoch ``warmup`` on,
     recomputes W with ``residual_weights`` (before it W is W0).
     """
@@ -213,8 +209,8 @@ class RewardRouter:
         self.max_residual, self.gram_decay = max_residual, gram_decay
         self._seen = False
 
-    def observe(self, centred: torch.Tensor, sensitivity: torch.Tensor) -> None:
-        self.pending_gram += reward_gradient_gram(centred, sensitivity).cpu()
+    def observe(self, gram: torch.Tensor) -> None:
+        self.pending_gram += gram.detach().float().cpu()
 
     def observe_layers(self, influence: dict[str, float], decay: float = 0.9) -> None:
         for name, u in influence.items():

@@ -27,11 +27,18 @@ def optimality_probability(advantages: torch.Tensor, advantage_max: float) -> to
     return (advantages / advantage_max).clamp(-1.0, 1.0) / 2 + 0.5
 
 
-def _weighted_error(x0_hat: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
-    """‖x̂0 − x0‖² (mean over elements) / detached mean|x̂0 − x0|. [B, ...] → [B]."""
+def weighted_error(x0_hat: torch.Tensor, x0: torch.Tensor, mask: torch.Tensor | None = None,
+                   elem_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """‖x̂0 − x0‖² / detached mean|x̂0 − x0|, both means over the elements of ``mask`` (all when None),
+    the squared errors weighted by ``elem_weight``. x0_hat, x0, elem_weight: [B, ...]; mask: bool
+    [...] (one sample's shape). Returns [B]."""
     err = (x0_hat.float() - x0.float()).flatten(1)
-    weight = err.detach().abs().mean(1).clamp(min=1e-5)
-    return (err**2).mean(1) / weight
+    sq = err**2 if elem_weight is None else elem_weight.float().flatten(1) * err**2
+    if mask is None:
+        return sq.mean(1) / err.detach().abs().mean(1).clamp(min=1e-5)
+    m = mask.flatten().to(err.dtype)
+    n = m.sum()
+    return (sq * m).sum(1) / n / ((err.detach().abs() * m).sum(1) / n).clamp(min=1e-5)
 
 
 def diffusion_nft_loss(
@@ -62,8 +69,8 @@ def diffusion_nft_loss(
     v_theta32 = v_theta.float()
     t = t.float().reshape(-1, *([1] * (x_t.ndim - 1)))
     x_t, x0 = x_t.float(), x0.float()
-    positive = _weighted_error(x_t - t * (beta * v_theta32 + (1 - beta) * v_old), x0)
-    negative = _weighted_error(x_t - t * ((1 + beta) * v_old - beta * v_theta32), x0)
+    positive = weighted_error(x_t - t * (beta * v_theta32 + (1 - beta) * v_old), x0)
+    negative = weighted_error(x_t - t * ((1 + beta) * v_old - beta * v_theta32), x0)
     per_sample = (r * positive + (1 - r) * negative) / beta
     policy_loss = (per_sample * weight).sum() / denom
     loss = policy_loss
