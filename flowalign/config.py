@@ -170,7 +170,7 @@ class RoutingConfig:
     warmup: int = 5
     strength: float = 1.0
     threshold: float = 0.3
-    max_residual: float = 2.0
+    max_residual: float = 4.0
     gram_decay: float = 0.9  # EMA of the reward-gradient Gram over epochs
     # (i) cross-modal influence: per-token loss weights (u / mean u)^token_alpha and gradient scales
     # of the cross-modal attention modules clip(u_l / mean u, layer_scale_min, layer_scale_max)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flowalign.objectives.av_routing import (branch_advantages, branch_contrasts, interaction_gram,
-                                             layer_gradient_scales, residual_weights, response_ratio,
+                                             layer_gradient_scales, psd_part, residual_weights, response_ratio,
                                              routed_nft_loss, routed_priors, token_weights)
 from flowalign.objectives.diffusion_nft import diffusion_nft_loss
 
@@ -66,15 +66,41 @@ def test_gram_and_cosines_match_a_hand_computation():
     # G = (g_A·g_Bᵀ + g_B·g_Aᵀ) / 2: ⟨a0,b0⟩ = 1, ⟨a1,b1⟩ = 0.25, (⟨a0,b1⟩ + ⟨a1,b0⟩) / 2 = (−0.5 − 0.3) / 2
     assert torch.allclose(gram[0], torch.tensor([[1.0, -0.4], [-0.4, 0.25]]))
     priors = torch.tensor([[0.8, 0.2]])
-    w, cos = residual_weights(priors, gram, active=True, strength=1.0, threshold=0.3, max_residual=2.0)
+    # this G is PSD already (det = 0.25 − 0.16 > 0): cosines under the priors, one dual-ascent step from ρ = 0
+    w, cos, rho = residual_weights(priors, gram, torch.zeros(1, 2), active=True, strength=1.0, threshold=0.3)
     gw = [0.8 - 0.08, -0.32 + 0.05]  # G w
     wgw = 0.8 * gw[0] + 0.2 * gw[1]
     assert cos[0].tolist() == pytest.approx([gw[0] / math.sqrt(1.0 * wgw), gw[1] / math.sqrt(0.25 * wgw)], rel=1e-5)
     assert cos[0, 0] > 0.9 and cos[0, 1] < -0.7  # the dominant vs the suppressed
-    rho = torch.tensor([0.0, min(2.0, 0.3 - float(cos[0, 1]))])
-    boosted = priors[0] * (1 + rho)
+    assert rho[0].tolist() == pytest.approx([0.0, 0.3 - float(cos[0, 1])], rel=1e-5)
+    boosted = priors[0] * (1 + rho[0])
     assert w[0].tolist() == pytest.approx((boosted / boosted.sum()).tolist(), rel=1e-5)
     assert w.sum().item() == pytest.approx(1.0)  # the row keeps its prior mass
+
+
+def test_the_residual_grows_while_a_reward_is_suppressed_and_decays_once_it_is_not():
+    priors = torch.tensor([[0.5, 0.5]])
+    conflict = torch.tensor([[[4.0, -1.0], [-1.0, 0.5]]])  # reward 0 dominates and pushes reward 1 down
+    rho = torch.zeros(1, 2)
+    rhos, coses = [], []
+    for _ in range(30):
+        w, cos, rho = residual_weights(priors, conflict, rho, active=True)
+        rhos.append(float(rho[0, 1]))
+        coses.append(float(cos[0, 1]))
+    assert rho[0, 0] == 0 and coses[0] < 0  # the dominant one keeps its prior boost (none)
+    assert rhos[:5] == sorted(rhos[:5]) and coses[-1] > coses[0]  # the suppressed one gains until it improves
+    assert coses[-1] == pytest.approx(0.3, abs=0.05) and w[0, 1] > 2 * w[0, 0]  # (G w)_1 > 0 needs w1 > 2·w0
+    agree = torch.ones(1, 2, 2)
+    for _ in range(10):
+        w, cos, rho = residual_weights(priors, agree, rho, active=True)
+    assert torch.equal(rho, torch.zeros(1, 2)) and torch.allclose(w, priors)  # back to the priors
+
+
+def test_cosines_of_a_non_psd_estimate_stay_in_the_unit_interval():
+    gram = torch.tensor([[[0.01, 0.5], [0.5, 1.0]]])  # half-split noise: not PSD
+    _, cos, _ = residual_weights(torch.ones(1, 2), gram, torch.zeros(1, 2), active=True)
+    assert cos.abs().max() <= 1.0 + 1e-6
+    assert torch.linalg.eigvalsh(psd_part(gram)).min() >= -1e-6
 
 
 def test_the_half_split_gram_is_not_inflated_by_sampling_noise():
@@ -102,13 +128,14 @@ def test_priors_are_untouched_in_warmup_and_when_rewards_agree_and_zero_priors_s
     a = torch.tensor([[0.4, 0.2, 0.3], [-0.4, -0.2, 0.1]])
     gram = torch.stack([_gram(a)] * 2)
     priors = routed_priors(torch.tensor([0.5, 0.4, 0.1]), torch.tensor([[True, True, False], [False, True, True]]))
-    w, _ = residual_weights(priors, gram, active=False)
-    assert w is priors  # warm-up: the priors themselves
+    zero = torch.zeros_like(priors)
+    w, _, rho = residual_weights(priors, gram, zero, active=False)
+    assert w is priors and rho is zero  # warm-up: the priors themselves
     agree = torch.tensor([[0.4, 0.2, 0.1], [-0.4, -0.2, -0.1]])  # perfectly correlated rewards: cos = 1
-    w, cos = residual_weights(priors, torch.stack([_gram(agree)] * 2), active=True)
+    w, cos, _ = residual_weights(priors, torch.stack([_gram(agree)] * 2), zero, active=True)
     assert torch.allclose(w, priors) and torch.allclose(cos[priors > 0], torch.ones(4))
     conflict = torch.tensor([[0.4, 0.2, -0.3], [-0.4, -0.2, 0.3]])
-    w, _ = residual_weights(priors, torch.stack([_gram(conflict)] * 2), active=True)
+    w, _, _ = residual_weights(priors, torch.stack([_gram(conflict)] * 2), zero, active=True)
     assert w[0, 2] == 0 and w[1, 0] == 0  # not routed there: stays 0
     assert w[1, 2] > priors[1, 2] and w[1, 1] < priors[1, 1]  # the suppressed reward gains on its branch
     assert torch.allclose(w.sum(1), priors.sum(1))

@@ -23,13 +23,15 @@ measured once per epoch on one minibatch, with one backward pass per (branch, re
 minibatch is split in two halves A and B and G = (g^A·g^Bᵀ + g^B·g^Aᵀ) / 2, whose expectation is
 the Gram of the expected gradients (a half's sampling noise never multiplies itself, so the
 diagonal is not inflated by it). Under the combined direction g = Σ_k W[b, k]·g_k, reward k
-improves at the normalised rate cos_k = (G w)_k / √(G_kk · wᵀGw). After ``warmup`` epochs each
-routed reward whose cos_k falls below ``threshold`` (it conflicts with, or is drowned by, the
-others) gets a residual: W[b, k] = p_k·(1 + ρ_k), ρ_k = min(ρ_max, strength·(threshold − cos_k));
-each row is rescaled to keep its total prior mass. Priors stay the anchor: a reward the user
-weighted 0 stays 0, agreeing rewards keep their priors exactly, and during warm-up W is the
-routed priors unchanged. G is averaged over epochs (an EMA) because one minibatch's estimate is
-noisy. (An output-space proxy, Σ_i ‖∂C_i/∂v_θ‖²·a_ik·a_ij, costs no backward pass but treats the
+improves at the normalised rate cos_k = (G w)_k / √(G_kk · wᵀGw) (G made PSD first). After
+``warmup`` epochs each routed reward carries a residual ρ_k ≥ 0, W[b, k] = p_k·(1 + ρ_k) with each
+row rescaled to keep its total prior mass, updated once per epoch by a dual-ascent step on the
+constraint cos_k ≥ ``threshold``: ρ_k ← clip(ρ_k + strength·(threshold − cos_k), 0, ρ_max), cos
+measured under the current W. A reward that conflicts with, or is drowned by, the others gains
+weight epoch after epoch until it improves again; a residual no longer needed decays back to the
+prior. Priors stay the anchor: a reward the user weighted 0 stays 0, rewards that keep agreeing
+keep their priors exactly, and during warm-up W is the routed priors unchanged. G is averaged
+over epochs (an EMA) because one minibatch's estimate is noisy. (An output-space proxy, Σ_i ‖∂C_i/∂v_θ‖²·a_ik·a_ij, costs no backward pass but treats the
 samples' outputs as independent parameters: on the audio-video world it put every cosine at
 0.6–0.9 while sync fell under fixed weights, because the conflict lives in the shared weights.)
 
@@ -76,30 +78,55 @@ def interaction_gram(grads_a: torch.Tensor, grads_b: torch.Tensor) -> torch.Tens
     return (cross + cross.T) / 2
 
 
+def psd_part(gram: torch.Tensor) -> torch.Tensor:
+    """The nearest positive semi-definite matrix of each symmetric G [M, K, K] (negative eigenvalues
+    set to 0): the half-split estimate is unbiased but not PSD, and cosines need a PSD Gram to lie in [−1, 1]."""
+    values, vectors = torch.linalg.eigh(gram.double())
+    return (vectors @ torch.diag_embed(values.clamp(min=0)) @ vectors.transpose(1, 2)).to(gram.dtype)
+
+
+def gradient_cosines(weights: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """cos_k = (G w)_k / √(G_kk·wᵀGw) of each branch, 0 where undefined. weights: [M, K]; gram: PSD [M, K, K] → [M, K]."""
+    w = weights.float()
+    gw = torch.einsum("bkj,bj->bk", gram.float(), w)
+    norm = (torch.diagonal(gram, dim1=1, dim2=2).float().clamp(min=0) * (w * gw).sum(1, keepdim=True).clamp(min=0)).sqrt()
+    return torch.where(norm > 1e-12, gw / norm.clamp(min=1e-12), torch.zeros_like(gw)).clamp(-1.0, 1.0)
+
+
 def residual_weights(
     priors: torch.Tensor,
     gram: torch.Tensor,
+    residual: torch.Tensor,
     *,
     active: bool,
     strength: float = 1.0,
     threshold: float = 0.3,
-    max_residual: float = 2.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reweighted routing W [M, K] and each reward's alignment cos [M, K] with its branch's update.
+    max_residual: float = 4.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One epoch's update of the routing: (W [M, K], cos [M, K], residual ρ [M, K]).
 
-    priors: routed priors W0 [M, K]; gram: G [M, K, K]. ``active`` False (warm-up) returns W0
-    itself. Rewards with W0 = 0 on a branch keep 0 there; each row keeps its total mass.
+    priors: routed priors W0 [M, K]; gram: G [M, K, K] (made PSD here); residual: the current ρ.
+    cos is measured under the weights ρ gives now, W(ρ) = W0·(1 + ρ) with each row rescaled to its
+    prior mass; then ρ ← clip(ρ + strength·(threshold − cos), 0, max_residual), a dual-ascent step
+    on the constraint cos_k ≥ threshold: a reward that stays suppressed gains weight epoch after
+    epoch until it is not, and a residual no longer needed decays back to 0 (the prior). Only
+    residuals relative to a row's least boosted reward change W, so that one is held at 0.
+    ``active`` False (warm-up) returns W0 itself and ρ unchanged. Rewards with W0 = 0 keep 0.
     """
-    w = priors.float()
-    gw = torch.einsum("bkj,bj->bk", gram.float(), w)  # (G w)_k
-    norm = (torch.diagonal(gram, dim1=1, dim2=2).clamp(min=0) * (w * gw).sum(1, keepdim=True).clamp(min=0)).sqrt()
-    cos = torch.where(norm > 0, gw / norm.clamp(min=1e-12), torch.zeros_like(gw))
+    def routed(rho):
+        boosted = priors.float() * (1 + rho)
+        return boosted * priors.float().sum(1, keepdim=True) / boosted.sum(1, keepdim=True).clamp(min=1e-12)
+
+    gram = psd_part(gram.float())
     if not active:
-        return priors, cos
-    rho = (strength * (threshold - cos)).clamp(min=0.0, max=max_residual) * (w > 0)
-    boosted = w * (1 + rho)
-    scale = w.sum(1, keepdim=True) / boosted.sum(1, keepdim=True).clamp(min=1e-12)
-    return boosted * scale, cos
+        return priors, gradient_cosines(priors, gram), residual
+    cos = gradient_cosines(routed(residual), gram)
+    routed_mask = priors > 0
+    residual = (residual + strength * (threshold - cos)) * routed_mask
+    # only relative residuals change W (rows are rescaled): the least boosted routed reward of a row sits at 0
+    floor = torch.where(routed_mask, residual, torch.full_like(residual, float("inf"))).min(1, keepdim=True).values
+    residual = ((residual - floor.clamp(min=0)).clamp(min=0.0, max=max_residual)) * routed_mask
+    return routed(residual), cos, residual
 
 
 def response_ratio(output: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -202,6 +229,7 @@ class RewardRouter:
         self.priors = routed_priors(priors, concerns)
         self.weights = self.priors.clone()
         self.cos = torch.zeros_like(self.priors)
+        self.residual = torch.zeros_like(self.priors)
         self.gram = torch.zeros(*self.priors.shape, self.priors.shape[1])
         self.pending_gram = torch.zeros_like(self.gram)
         self.layer_influence: dict[str, float] = {}
@@ -222,14 +250,15 @@ class RewardRouter:
         self.gram = self.pending_gram if not self._seen else \
             self.gram_decay * self.gram + (1 - self.gram_decay) * self.pending_gram
         self._seen, self.pending_gram = True, torch.zeros_like(self.gram)
-        self.weights, self.cos = residual_weights(self.priors, self.gram, active=epoch >= self.warmup,
-                                                  strength=self.strength, threshold=self.threshold,
-                                                  max_residual=self.max_residual)
+        self.weights, self.cos, self.residual = residual_weights(
+            self.priors, self.gram, self.residual, active=epoch >= self.warmup, strength=self.strength,
+            threshold=self.threshold, max_residual=self.max_residual)
 
     def state_dict(self) -> dict:
-        return {"weights": self.weights, "cos": self.cos, "gram": self.gram, "seen": self._seen,
+        return {"weights": self.weights, "cos": self.cos, "gram": self.gram, "residual": self.residual, "seen": self._seen,
                 "layer_influence": dict(self.layer_influence)}
 
     def load_state_dict(self, state: dict) -> None:
         self.weights, self.cos, self.gram = state["weights"], state["cos"], state["gram"]
+        self.residual = state["residual"]
         self._seen, self.layer_influence = state["seen"], dict(state["layer_influence"])
