@@ -256,25 +256,29 @@ class Trainer:
         return net, torch.optim.Adam(net.parameters(), lr=e.learning_rate)
 
     def _check_modality(self) -> None:
-        """Video families (the adapter class's ``modality``) take ``model.num_frames`` and rewards
-        that score videos; a reward declaring ``modality = "image"`` is refused (before the model
-        loads) with the per-frame wrapper that scores it on every frame."""
+        """The model's output (the adapter class's ``modality``: image, video, audio_video) against
+        ``model.num_frames`` (video and audio_video families only) and against each reward's declared
+        ``modality`` (undeclared: accepted), before the model loads. An image reward on a video family
+        is pointed to the per-frame wrapper that scores it on every frame."""
         cfg = self.config
-        video = getattr(adapter_class(cfg.model.family), "modality", "image") == "video"
-        if cfg.model.num_frames is not None and not video:
-            raise ConfigError(f"config: model.num_frames is for video families (wan); {cfg.model.family!r} makes "
-                              "single images: remove it")
-        if not video:
-            return
-        if getattr(self.reward, "modality", None) == "image":
-            raise ConfigError(f"config: reward {cfg.reward.name!r} scores images, model family {cfg.model.family!r} "
-                              f"makes videos: score every frame with reward.name=per_frame and reward.kwargs="
-                              f"{{reward: {cfg.reward.name}}} (reward_models/video.py)")
-        for name, reward in zip(cfg.eval.extra_rewards, self.extra_rewards):
-            if getattr(reward, "modality", None) == "image":
-                raise ConfigError(f"config: eval.extra_rewards: {name!r} scores images, model family "
-                                  f"{cfg.model.family!r} makes videos (an extra reward takes no options, so it "
-                                  "cannot be wrapped in per_frame: name a video reward)")
+        made = getattr(adapter_class(cfg.model.family), "modality", "image")
+        if cfg.model.num_frames is not None and made == "image":
+            raise ConfigError(f"config: model.num_frames is for video and audio-video families (wan, ltx2, "
+                              f"av_demo); {cfg.model.family!r} makes single images: remove it")
+        rewards = [("reward.name", cfg.reward.name, self.reward),
+                   *(("eval.extra_rewards", n, r) for n, r in zip(cfg.eval.extra_rewards, self.extra_rewards))]
+        for key, name, reward in rewards:
+            scores = getattr(reward, "modality", None)
+            if scores is None or scores == made:
+                continue
+            hint = ""
+            if scores == "image" and made == "video":
+                hint = (f": score every frame with reward.name=per_frame and reward.kwargs={{reward: {name}}} "
+                        "(reward_models/video.py)" if key == "reward.name" else
+                        " (an extra reward takes no options, so it cannot be wrapped in per_frame: name a video reward)")
+            label = f"reward {name!r}" if key == "reward.name" else f"eval.extra_rewards: {name!r}"
+            raise ConfigError(f"config: {label} scores {scores.replace('_', '-')}s, model family "
+                              f"{cfg.model.family!r} makes {made.replace('_', '-')}s{hint}")
 
     def _check_backend(self, accumulation: int) -> None:
         """FSDP and DeepSpeed: settings the loop needs (untested here: no GPU, docs/distributed.md)."""

@@ -83,3 +83,17 @@ def test_layer_gradient_scales_reach_the_cross_modal_modules(tiny_av_dir, tmp_pa
     moved = {i: not torch.equal(before[id(p)], p.detach()) for p in trainer.params for i in [id(p)]}
     assert cross and not any(moved[i] for i in cross)
     assert any(moved[i] for i in moved if i not in cross)
+
+
+def test_rewards_of_another_modality_are_refused_before_the_model_loads(tiny_av_dir, tmp_path, tiny_sd3_dir):
+    with pytest.raises(ConfigError, match=r"reward 'jpeg_compressibility' scores images, model family 'av_demo' "
+                                          r"makes audio-videos"):
+        Trainer(av_config(tiny_av_dir, tmp_path, "reward.name=jpeg_compressibility",
+                          "reward.weights={jpeg_compressibility: 1.0}", "train.per_reward_advantages=false",
+                          "routing.concerns={}"))
+    with pytest.raises(ConfigError, match=r"reward 'audio_video' scores audio-videos, model family 'sd3' makes images"):
+        Trainer(load_config(None, [f"output_dir={tmp_path}", f"model.path={tiny_sd3_dir}", "tracker=none",
+                                   "reward.name=audio_video", "reward.weights={sync: 1.0}"]))
+    with pytest.raises(ConfigError, match="model.num_frames is for video and audio-video families"):
+        Trainer(load_config(None, [f"output_dir={tmp_path}", f"model.path={tiny_sd3_dir}", "tracker=none",
+                                   "model.num_frames=8"]))

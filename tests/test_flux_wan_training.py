@@ -150,7 +150,7 @@ def test_image_reward_on_video_and_frames_on_images_fail_before_loading(folders,
     empty.mkdir()
     with pytest.raises(ConfigError, match=r"reward 'jpeg_compressibility' scores images.*reward.name=per_frame"):
         Trainer(run_config(folders, tmp_path, "wan", *REWARDS["jpeg"], f"model.path={empty}"))
-    with pytest.raises(ConfigError, match="model.num_frames is for video families"):
+    with pytest.raises(ConfigError, match="model.num_frames is for video and audio-video families"):
         Trainer(run_config(folders, tmp_path, "flux", *REWARDS["jpeg"], "model.num_frames=5", f"model.path={empty}"))
 
 
