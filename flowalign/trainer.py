@@ -801,8 +801,9 @@ class Trainer:
         return loss, stats
 
     def _interaction_gram(self, v_theta, v_old, x_t, x0, sigma, masks, elem_weight, centred, keep) -> torch.Tensor:
-        """The reward-gradient Gram [M, K, K] of one minibatch (``interaction_gram``): one backward pass
-        per (branch, routed reward, half of the kept samples), through the graph the loss then reuses."""
+        """The reward-gradient Gram [M, K, K] of one minibatch (``interaction_gram``): one batched backward
+        pass (a vector-Jacobian product per branch, routed reward and half of the kept samples) through
+        the graph the loss then reuses."""
         contrast = branch_contrasts(v_theta, v_old, x_t, x0, sigma, masks, beta=self.config.train.nft_beta,
                                     elem_weight=elem_weight)  # [b, M]
         kept = keep.nonzero().flatten()
@@ -811,6 +812,21 @@ class Trainer:
         gram = torch.zeros(n_branch, n_reward, n_reward)
         if len(halves[1]) == 0:
             return gram
+        pairs = [(b, k) for b in range(n_branch) for k in range(n_reward) if self.router.priors[b, k] > 0]
+        # one vector-Jacobian product per (half, branch, reward): mean over the half of a_ik·C_i^b
+        seeds = torch.zeros(2 * len(pairs), *contrast.shape, device=contrast.device)
+        for h, half in enumerate(halves):
+            for j, (b, k) in enumerate(pairs):
+                seeds[h * len(pairs) + j, half, b] = centred[half, k].to(seeds) / len(half)
+        grads = torch.autograd.grad(contrast, self.params, grad_outputs=seeds, retain_graph=True,
+                                    allow_unused=True, is_grads_batched=True)
+        flat = torch.cat([(g if g is not None else torch.zeros(len(seeds), *p.shape, device=p.device)).flatten(1)
+                          for g, p in zip(grads, self.params)], 1).float().view(2, len(pairs), -1)
+        for b in range(n_branch):
+            rows = [j for j, (bb, _) in enumerate(pairs) if bb == b]
+            idx = torch.tensor([pairs[j][1] for j in rows])
+            gram[b, idx[:, None], idx[None, :]] = interaction_gram(flat[0, rows], flat[1, rows]).cpu()
+        return gram
         for b in range(n_branch):
             routed = [k for k in range(n_reward) if self.router.priors[b, k] > 0]
             grads = []
