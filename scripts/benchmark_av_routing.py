@@ -79,6 +79,21 @@ def table(results: dict) -> str:
     return "\n".join(rows)
 
 
+def merge(paths: list[str], out: Path) -> None:
+    runs = []
+    for spec in paths:  # PATH or PATH:arm,arm (only those arms of that file)
+        path, _, only = spec.partition(":")
+        runs += [(name, r) for name, r in json.loads(Path(path).read_text())["results"].items()
+                 if not only or name in only.split(",")]
+    extras = [[o for o in r["overrides"] if o not in ARMS[name]] for name, r in runs]
+    shared = set.intersection(*(set(e) for e in extras))
+    results = {" ".join([name, *(o for o in e if o not in shared)]): r for (name, r), e in zip(runs, extras)}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "av_routing.json").write_text(json.dumps({"merged": paths, "results": results}, indent=2))
+    plot(results, out / "av_routing.png")
+    print(table(results))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=6.0, help="wall-clock training budget per arm")
@@ -86,8 +101,15 @@ def main() -> None:
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {list(ARMS)}")
     parser.add_argument("--out", default="runs/av-routing")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                        help="train nothing: combine the av_routing.json of earlier runs (e.g. arms run as two "
+                             "concurrent processes; PATH:arm,arm takes only those arms of a file) into one table "
+                             "and plot in --out; an arm is labelled by its "
+                             "name and the overrides that not every merged arm shares")
     parser.add_argument("overrides", nargs="*", help="key=value overrides applied to every arm")
     args = parser.parse_args()
+    if args.merge:
+        return merge(args.merge, Path(args.out))
     import torch
 
     torch.set_num_threads(args.threads)
