@@ -32,8 +32,8 @@ from torch import nn
 from transformers import CLIPTextModel, CLIPTokenizer
 
 from pipelines.av_model import AVDiffusionModel
-from pipelines.base import Conditioning, ModelNotFoundError, Schedule, load_with_hub_fallback
-from pipelines.denoiser import LORA_WEIGHTS_NAME, DenoiserAdapter, torch_dtype
+from pipelines.base import Conditioning, Schedule, load_with_hub_fallback
+from pipelines.denoiser import DenoiserAdapter, load_trained_weights, torch_dtype
 from pipelines.joint import BRANCHES, AudioVideoSamples, JointLayout
 from pipelines.tiny import _clip_config, build_clip_tokenizer
 
@@ -220,7 +220,7 @@ class AVDemoAdapter(DenoiserAdapter):
                 raise ValueError(f"the av_demo model makes clips of {c.frames} frames of {c.height}×{c.width}; "
                                  f"model.{name}={value} cannot change that: leave it unset")
         if trained is not None:
-            load_trained(pipe, trained)
+            load_trained_weights(pipe, trained, cls.model_folder, pipe.model.dtype)
         return cls(pipe, device=device, **kwargs)
 
     # -- conditioning and sampling ---------------------------------------------------------
@@ -289,33 +289,9 @@ class AVDemoAdapter(DenoiserAdapter):
     enable_vae_slicing = enable_vae_tiling
 
     # -- training --------------------------------------------------------------------------
-    def save_trained(self, directory: str | Path) -> None:
-        """LoRA → ``pytorch_lora_weights.safetensors`` (peft config as metadata, diffusers'
-        ``save_lora_adapter``); full fine-tuning → a ``model/`` folder."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        if self.lora:
-            self.model.save_lora_adapter(directory, safe_serialization=True)
-        else:
-            self.model.save_pretrained(directory / self.model_folder, safe_serialization=True)
-
     def enable_gradient_checkpointing(self) -> None:
         raise NotImplementedError("the av_demo model is small: gradient checkpointing is not implemented")
 
     def enable_xformers(self) -> None:
         raise NotImplementedError("the av_demo model uses torch's scaled_dot_product_attention; xformers does not apply")
 
-
-def load_trained(pipe: AVPipeline, trained: str | Path) -> None:
-    """Put an ``AVDemoAdapter.save_trained`` folder's weights into ``pipe`` (LoRA fused in).
-    The same steps as ``pipelines.chess.load_trained``, for this pipeline's model class."""
-    trained = Path(trained)
-    if (trained / "model").is_dir():
-        pipe.register_modules(model=AVDiffusionModel.from_pretrained(trained / "model", torch_dtype=pipe.model.dtype))
-    elif (trained / LORA_WEIGHTS_NAME).is_file():
-        pipe.model.load_lora_adapter(trained, prefix=None, weight_name=LORA_WEIGHTS_NAME)
-        pipe.model.fuse_lora()
-        pipe.model.unload_lora()
-    else:
-        raise ModelNotFoundError(f"no trained weights in {trained.resolve()}: expected {LORA_WEIGHTS_NAME} "
-                                 "or a model/ folder (a run's final/ or a checkpoint's policy/)")

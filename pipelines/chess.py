@@ -24,9 +24,9 @@ from torch import nn
 
 from flowalign.chess import tokenizer
 from flowalign.samplers.unmasking import rollout
-from pipelines.base import Conditioning, ModelNotFoundError, load_with_hub_fallback
+from pipelines.base import Conditioning, load_with_hub_fallback
 from pipelines.chess_model import ChessDiffusionModel
-from pipelines.denoiser import LORA_WEIGHTS_NAME, DenoiserAdapter, torch_dtype
+from pipelines.denoiser import DenoiserAdapter, load_trained_weights, torch_dtype
 
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out")
 
@@ -176,7 +176,7 @@ class ChessAdapter(DenoiserAdapter):
                              "leave them unset")
         pipe = load_with_hub_fallback(ChessPuzzlePipeline.from_pretrained, name_or_path, dtype=torch_dtype(dtype))
         if trained is not None:
-            load_trained(pipe, trained)
+            load_trained_weights(pipe, trained, cls.model_folder, pipe.model.dtype)
         return cls(pipe, device=device, **kwargs)
 
     # -- conditioning and sampling ---------------------------------------------------------
@@ -215,33 +215,8 @@ class ChessAdapter(DenoiserAdapter):
         return [move for _, move in decode_boards(x0)]
 
     # -- training ----------------------------------------------------------------------------
-    def save_trained(self, directory: str | Path) -> None:
-        """LoRA → ``pytorch_lora_weights.safetensors`` (peft config as metadata, diffusers'
-        ``save_lora_adapter``); full fine-tuning → a ``model/`` folder."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        if self.lora:
-            self.model.save_lora_adapter(directory, safe_serialization=True)
-        else:
-            self.model.save_pretrained(directory / self.model_folder, safe_serialization=True)
-
     def enable_gradient_checkpointing(self) -> None:
         raise NotImplementedError("the chess model is small: gradient checkpointing is not implemented")
 
     def enable_xformers(self) -> None:
         raise NotImplementedError("the chess model uses torch's scaled_dot_product_attention; xformers does not apply")
-
-
-def load_trained(pipe: ChessPuzzlePipeline, trained: str | Path) -> None:
-    """Put a ``ChessAdapter.save_trained`` folder's weights into ``pipe`` (LoRA fused in)."""
-    trained = Path(trained)
-    if (trained / "model").is_dir():
-        pipe.register_modules(model=ChessDiffusionModel.from_pretrained(trained / "model", dtype=pipe.model.dtype))
-    elif (trained / LORA_WEIGHTS_NAME).is_file():
-        pipe.model.load_lora_adapter(trained, prefix=None, weight_name=LORA_WEIGHTS_NAME)
-        pipe.model.fuse_lora()
-        pipe.model.unload_lora()
-    else:
-        raise ModelNotFoundError(f"no trained weights in {trained.resolve()}: expected {LORA_WEIGHTS_NAME} "
-                                 "or a model/ folder (a run's final/ or a checkpoint's policy/)")
-

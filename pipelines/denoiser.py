@@ -35,15 +35,20 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def load_trained_weights(pipe, trained: str | Path, model_folder: str, dtype: torch.dtype) -> None:
     """Put a ``save_trained`` folder's weights into ``pipe`` as plain diffusers would: LoRA weights
-    fused in, or the fully fine-tuned ``<model_folder>/`` replacing the denoiser."""
+    fused in, or the fully fine-tuned ``<model_folder>/`` replacing the denoiser. A pipeline without
+    diffusers' LoRA loader (the chess and av_demo ones) loads the LoRA into its model directly."""
     trained = Path(trained)
+    model = getattr(pipe, model_folder)
     if (trained / model_folder).is_dir():
-        model_class = type(getattr(pipe, model_folder))
-        setattr(pipe, model_folder, model_class.from_pretrained(trained / model_folder, torch_dtype=dtype))
-    elif (trained / LORA_WEIGHTS_NAME).is_file():
+        pipe.register_modules(**{model_folder: type(model).from_pretrained(trained / model_folder, torch_dtype=dtype)})
+    elif (trained / LORA_WEIGHTS_NAME).is_file() and hasattr(pipe, "load_lora_weights"):
         pipe.load_lora_weights(trained)
         pipe.fuse_lora()
         pipe.unload_lora_weights()
+    elif (trained / LORA_WEIGHTS_NAME).is_file():
+        model.load_lora_adapter(trained, prefix=None, weight_name=LORA_WEIGHTS_NAME)
+        model.fuse_lora()
+        model.unload_lora()
     else:
         raise ModelNotFoundError(f"no trained weights in {trained.resolve()}: expected {LORA_WEIGHTS_NAME} "
                                  f"or a {model_folder}/ folder (a run's final/ or a checkpoint's policy/)")
@@ -242,10 +247,13 @@ class DenoiserAdapter:
     def save_trained(self, directory: str | Path) -> None:
         """LoRA → ``pytorch_lora_weights.safetensors`` with its peft config (rank, alpha, targets) as
         metadata, so ``pipe.load_lora_weights(directory)`` loads it at the trained scale; full
-        fine-tuning → a diffusers ``<model_folder>/`` folder."""
+        fine-tuning → a diffusers ``<model_folder>/`` folder. A pipeline without diffusers' LoRA
+        loader saves with its model's ``save_lora_adapter`` (same file, same metadata)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        if self.lora:
+        if self.lora and not hasattr(self.pipeline_class, "save_lora_weights"):
+            self.model.save_lora_adapter(directory, safe_serialization=True)
+        elif self.lora:
             name = self.model_folder
             self.pipeline_class.save_lora_weights(
                 directory, safe_serialization=True, **{f"{name}_lora_layers": self.trained_state_dict(),

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flowalign.chess.diversity import board_diversity as diversity  # noqa: E402
 from pipelines.base import resolve_model_path  # noqa: E402
 from pipelines.chess import ChessPuzzlePipeline  # noqa: E402
+from pipelines.denoiser import load_trained_weights  # noqa: E402
 from reward_models.chess.legality import is_legal  # noqa: E402
 
 REWARD_KEYS = ("unique", "theme_match", "theme_score", "yield", "best_move")
@@ -62,6 +63,8 @@ def summarise(rows: list[dict], tokens: torch.Tensor) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="chess-md")
+    parser.add_argument("--trained", default=None,
+                        help="a run's final/ (or a checkpoint's policy/) to measure instead of the pre-trained model")
     parser.add_argument("--out", default=None, help="JSON file (default: <model>/baseline.json)")
     parser.add_argument("--per-request", type=int, default=16)
     parser.add_argument("--num-steps", type=int, default=16)
@@ -74,11 +77,15 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    if args.trained and not args.out:
+        parser.error("--trained needs --out (the default is the pre-trained model's baseline.json)")
     torch.set_num_threads(args.threads)
     start = time.time()
     folder = Path(resolve_model_path(args.model))
     requests = json.loads((folder / "split.json").read_text())["requests"]
     pipe = ChessPuzzlePipeline.from_pretrained(folder)
+    if args.trained:
+        load_trained_weights(pipe, args.trained, "model", pipe.model.dtype)
     pipe.set_progress_bar_config(disable=True)
 
     reward = None

@@ -6,9 +6,10 @@ the reference policy, and the joint-latent helpers."""
 
 import pytest
 import torch
+from adapter_checks import reference_predictions, rescored_gradients
 from diffusers import LTX2Pipeline
 
-from flowalign.rollout import rollout, transition
+from flowalign.rollout import rollout
 from flowalign.samplers.steps import plan_steps
 from flowalign.worlds.shapes import vocabulary
 from pipelines import adapter_class, check_adapter_options, load_adapter
@@ -154,13 +155,8 @@ def test_rescoring_a_sampled_step_gives_ratio_exactly_one(folder):
     _perturb(adapter.model)
     traj = _rollout(adapter, 3.0, seed=2, eta=1.0)
     assert (traj.log_probs[:, :-1] != 0).all()
-    for j in range(STEPS - 1):
-        out = transition(adapter, traj.latents[:, j], j, traj.schedule, 1.0, traj.cond, 3.0,
-                         prev_sample=traj.latents[:, j + 1], model=adapter.model)
-        ratio = torch.exp(out.log_prob - traj.log_probs[:, j])
-        assert torch.equal(ratio, torch.ones_like(ratio)), f"step {j}: {ratio}"
-    out.log_prob.sum().backward()  # the joint log-prob is differentiable in the LoRA weights, cross-modal ones too
-    grads = {n: p.grad for n, p in adapter.trainable().named_parameters() if p.requires_grad}
+    # the joint log-prob is differentiable in the LoRA weights, cross-modal ones too
+    grads = rescored_gradients(adapter, traj, STEPS - 1, 3.0)
     for attention in ("audio_to_video_attn", "video_to_audio_attn"):
         assert any(attention in n and g is not None and g.abs().sum() > 0 for n, g in grads.items()), attention
 
@@ -189,19 +185,7 @@ def test_saved_lora_loads_in_plain_diffusers(folder, tmp_path):
 
 def test_reference_is_the_base_model(folder):
     adapter = _adapter(folder)
-    cond = adapter.encode(PROMPTS)
-    x = adapter.initial_noise(len(PROMPTS), torch.Generator().manual_seed(0))
-    t = adapter.schedule(STEPS).timesteps[1]
-    with torch.no_grad():
-        base = adapter.predict(x, t, cond, 3.0)
-        adapter.add_lora(rank=4)
-        _perturb(adapter.model)
-        trained = adapter.predict(x, t, cond, 3.0)
-        with adapter.reference():
-            reference = adapter.predict(x, t, cond, 3.0)
-        assert torch.equal(adapter.predict(x, t, cond, 3.0), trained)
-        # a per-sample timestep [B] (the trainer's NFT / GDRO calls) is the same function
-        assert torch.equal(adapter.predict(x, t.expand(len(PROMPTS)), cond, 3.0), trained)
+    base, trained, reference = reference_predictions(adapter, PROMPTS, STEPS, 3.0, _perturb)
     assert min(_max_diff_per_modality(adapter, trained, base)) > 1e-3
     assert torch.equal(reference, base)
 

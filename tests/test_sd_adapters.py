@@ -4,6 +4,7 @@ log-probs are the closed-form Gaussian and rescore exactly, LoRA round trip, ref
 import pytest
 import torch
 from diffusers import DDIMScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
+from adapter_checks import reference_predictions, rescored_gradients
 from test_trainer import tiny_config
 
 from flowalign.config import ConfigError
@@ -123,15 +124,8 @@ def test_rescoring_a_sampled_step_gives_ratio_exactly_one(tiny):
     adapter = _adapter(tiny)
     adapter.add_lora(rank=4)
     _perturb(adapter.model, "lora_B")
-    traj = _rollout(adapter, 3.0, seed=2, eta=1.0)
-    for j in range(STEPS):
-        out = transition(adapter, traj.latents[:, j], j, traj.schedule, 1.0, traj.cond, 3.0,
-                              prev_sample=traj.latents[:, j + 1], model=adapter.model)
-        ratio = torch.exp(out.log_prob - traj.log_probs[:, j])
-        assert torch.equal(ratio, torch.ones_like(ratio)), f"step {j}: {ratio}"
-    out.log_prob.sum().backward()  # the rescored density is differentiable in the LoRA weights
-    grads = [p.grad for p in adapter.trainable().parameters() if p.requires_grad]
-    assert any(g is not None and g.abs().sum() > 0 for g in grads)
+    grads = rescored_gradients(adapter, _rollout(adapter, 3.0, seed=2, eta=1.0), STEPS, 3.0)
+    assert any(g is not None and g.abs().sum() > 0 for g in grads.values())
 
 
 def test_saved_lora_loads_in_plain_diffusers(tiny, tmp_path):
@@ -153,18 +147,8 @@ def test_saved_lora_loads_in_plain_diffusers(tiny, tmp_path):
 
 
 def test_reference_is_the_base_model(tiny, tmp_path):
-    adapter = _adapter(tiny)
-    cond = adapter.encode(PROMPTS)
-    x = adapter.initial_noise(len(PROMPTS), torch.Generator().manual_seed(0))
-    t = adapter.schedule(STEPS).timesteps[1]
-    with torch.no_grad():
-        base = adapter.predict(x, t, cond, 3.0)
-        adapter.add_lora(rank=4)
-        _perturb(adapter.model, "lora_B")
-        trained = adapter.predict(x, t, cond, 3.0)
-        with adapter.reference():
-            reference = adapter.predict(x, t, cond, 3.0)
-        assert torch.equal(adapter.predict(x, t, cond, 3.0), trained)
+    base, trained, reference = reference_predictions(_adapter(tiny), PROMPTS, STEPS, 3.0,
+                                                     lambda model: _perturb(model, "lora_B"))
     assert (trained - base).abs().max() > 1e-3
     assert _max_error(reference, base) <= 1e-6
 
