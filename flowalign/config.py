@@ -172,6 +172,10 @@ class RoutingConfig:
     threshold: float = 0.3
     max_residual: float = 4.0
     gram_decay: float = 0.9  # EMA of the reward-gradient Gram over epochs
+    # reward floors: after warm-up a reward whose training mean falls below its warm-up mean gains a
+    # Lagrange multiplier λ_k (step floor_strength per warm-up std of shortfall, at most floor_max); 0 = off
+    floor_strength: float = 1.0
+    floor_max: float = 10.0
     # (i) cross-modal influence: per-token loss weights (u / mean u)^token_alpha and gradient scales
     # of the cross-modal attention modules clip(u_l / mean u, layer_scale_min, layer_scale_max)
     influence: bool = False

@@ -393,7 +393,7 @@ class Trainer:
             stats.update(self.update_explorer(batch))
         stats.update(self.update_policy(batch, advantages))
         if self.router is not None:
-            stats.update(self._end_routing_epoch())
+            stats.update(self._end_routing_epoch(batch))
         if self.old is not None:
             t = self.config.train
             self.old.decay = old_policy_decay(self.epoch, t.nft_old_decay_rate, t.nft_old_decay_max)
@@ -748,7 +748,8 @@ class Trainer:
             for branch in r.concerns.get(name, BRANCHES):
                 concerns[BRANCHES.index(branch), k] = True
         router = RewardRouter(self._reward_weights(), concerns, warmup=r.warmup, strength=r.strength,
-                              threshold=r.threshold, max_residual=r.max_residual, gram_decay=r.gram_decay)
+                              threshold=r.threshold, max_residual=r.max_residual, gram_decay=r.gram_decay,
+                              floor_strength=r.floor_strength if r.reweight else 0.0, floor_max=r.floor_max)
         self._layer_scales: dict[str, float] = {}
         self._layer_sums: dict[str, list[float]] = {}
         self._probe_due = True  # the reward-gradient Gram is measured on each epoch's first minibatch
@@ -842,20 +843,29 @@ class Trainer:
             gram[b, idx[:, None], idx[None, :]] = interaction_gram(*grads).cpu()
         return gram
 
-    def _end_routing_epoch(self) -> dict:
-        """Fold this epoch's interactions and influences (over all processes) into the router."""
+    def _end_routing_epoch(self, batch: EpochBatch) -> dict:
+        """Fold this epoch's interactions, rewards and influences (over all processes) into the router."""
         router, stats = self.router, {}
         pending = router.pending_gram
         router.pending_gram = self._across_processes(pending.flatten().tolist()).sum(0).float().view_as(pending)
+        names = list(self.config.reward.weights)
+        values = torch.stack([batch.components[name].float() for name in names], 1)  # [B, K], NaN = failed
+        valid = torch.isfinite(values)
+        v = torch.where(valid, values, torch.zeros_like(values)).double()
+        sums = self._across_processes([*valid.sum(0).tolist(), *v.sum(0).tolist(), *(v**2).sum(0).tolist()])
+        n, total, squares = sums.sum(0).view(3, len(names)).float()
+        mean = torch.where(n > 0, total / n.clamp(min=1), torch.full_like(n, float("nan")))
+        router.observe_rewards(mean, (squares / n.clamp(min=1) - mean**2).clamp(min=0).sqrt(), n)
         router.end_epoch(self.epoch + 1)
         self._probe_due = True
-        names = list(self.config.reward.weights)
         if self.config.routing.reweight:
             for b, branch in enumerate(BRANCHES):
                 for k, name in enumerate(names):
                     if router.priors[b, k] > 0:
                         stats[f"routing/weight_{branch}_{name}"] = float(router.weights[b, k])
                         stats[f"routing/cos_{branch}_{name}"] = float(router.cos[b, k])
+            for k, name in enumerate(names):
+                stats[f"routing/floor_multiplier_{name}"] = float(router.floor_multiplier[k])
         if self.config.routing.influence and self._layer_sums:
             layers = sorted(self._layer_sums)
             means = self._across_processes([self._layer_sums[n][0] / max(self._layer_sums[n][1], 1)

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from flowalign.objectives.av_routing import (branch_advantages, branch_contrasts, interaction_gram,
-                                             layer_gradient_scales, psd_part, residual_weights, response_ratio,
-                                             routed_nft_loss, routed_priors, token_weights)
+from flowalign.objectives.av_routing import (RewardRouter, branch_advantages, branch_contrasts, floor_multipliers,
+                                             interaction_gram, layer_gradient_scales, psd_part, residual_weights,
+                                             response_ratio, routed_nft_loss, routed_priors, token_weights)
 from flowalign.objectives.diffusion_nft import diffusion_nft_loss
 
 
@@ -139,6 +139,42 @@ def test_priors_are_untouched_in_warmup_and_when_rewards_agree_and_zero_priors_s
     assert w[0, 2] == 0 and w[1, 0] == 0  # not routed there: stays 0
     assert w[1, 2] > priors[1, 2] and w[1, 1] < priors[1, 1]  # the suppressed reward gains on its branch
     assert torch.allclose(w.sum(1), priors.sum(1))
+
+
+def test_floor_multipliers_match_a_hand_computation():
+    lam = torch.tensor([0.0, 1.0, 0.5, 9.5])
+    means = torch.tensor([0.4, 0.9, float("nan"), 0.0])
+    floors = torch.tensor([0.5, 0.5, 0.5, 0.5])
+    scales = torch.tensor([0.1, 0.2, 0.1, 0.1])
+    out = floor_multipliers(lam, means, floors, scales, strength=2.0, max_multiplier=10.0)
+    # steps 2·(0.1/0.1) = 2, 2·(−0.4/0.2) = −4 (clipped at 0), NaN mean: unchanged, 9.5 + 10 capped at 10
+    assert torch.allclose(out, torch.tensor([2.0, 0.0, 0.5, 10.0]))
+
+
+def test_reward_floors_boost_only_the_reward_that_falls_below_its_warmup_level():
+    priors, concerns = torch.ones(3), torch.tensor([[True, False, True], [False, True, True]])  # (video, audio, sync)
+    router = RewardRouter(priors, concerns, warmup=2, strength=0.0, threshold=0.3, max_residual=4.0,
+                          gram_decay=0.9, floor_strength=1.0)
+    gram = torch.eye(3).expand(2, 3, 3).clone()
+    for epoch, means in ((1, [0.5, 0.5, 0.5]), (2, [0.7, 0.5, 0.5])):  # warm-up: floors 0.6, 0.5, 0.5
+        router.observe(gram)
+        router.observe_rewards(torch.tensor(means), torch.full((3,), 0.1), torch.full((3,), 10.0))
+        router.end_epoch(epoch)
+        assert torch.equal(router.weights, router.priors)
+    floors, scales = router.floors()
+    assert torch.allclose(floors, torch.tensor([0.6, 0.5, 0.5]))
+    assert torch.allclose(scales, torch.tensor([0.1 ** 2 + 0.1 ** 2, 0.01, 0.01]).sqrt(), atol=1e-6)  # within + between
+    router.observe(gram)
+    router.observe_rewards(torch.tensor([0.9, 0.6, 0.45]), torch.full((3,), 0.1), torch.full((3,), 10.0))
+    router.end_epoch(3)
+    # only sync is below its floor: λ = (0.5 − 0.45)/0.1 = 0.5, W ∝ (1, 0, 1.5) per branch at mass 2
+    assert torch.allclose(router.floor_multiplier, torch.tensor([0.0, 0.0, 0.5]), atol=1e-6)
+    assert torch.allclose(router.weights, torch.tensor([[0.8, 0.0, 1.2], [0.0, 0.8, 1.2]]), atol=1e-6)
+    restored = RewardRouter(priors, concerns, warmup=2, strength=0.0, threshold=0.3, max_residual=4.0,
+                            gram_decay=0.9, floor_strength=1.0)
+    restored.load_state_dict(router.state_dict())
+    assert torch.equal(restored.floor_multiplier, router.floor_multiplier)
+    assert torch.equal(restored.warmup_sums, router.warmup_sums)
 
 
 def test_branch_advantages_route_each_reward_to_its_branches():

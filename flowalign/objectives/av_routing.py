@@ -31,7 +31,13 @@ measured under the current W. A reward that conflicts with, or is drowned by, th
 weight epoch after epoch until it improves again; a residual no longer needed decays back to the
 prior. Priors stay the anchor: a reward the user weighted 0 stays 0, rewards that keep agreeing
 keep their priors exactly, and during warm-up W is the routed priors unchanged. G is averaged
-over epochs (an EMA) because one minibatch's estimate is noisy. (An output-space proxy, Σ_i ‖∂C_i/∂v_θ‖²·a_ik·a_ij, costs no backward pass but treats the
+over epochs (an EMA) because one minibatch's estimate is noisy. **Reward floors** (``floor_strength``
+> 0) close the loop on the rewards themselves: the gradient cosines say whether a reward *can*
+improve under W, not whether it does, and on the audio-video world sync fell under every cosine-
+driven W. Each reward's mean over the warm-up epochs is its floor f_k; afterwards a Lagrange
+multiplier λ_k ≥ 0 of the constraint r̄_k ≥ f_k (r̄_k the epoch's training-rollout mean) is updated
+by λ_k ← clip(λ_k + floor_strength·(f_k − r̄_k)/s_k, 0, floor_max), s_k the reward's warm-up std, and
+adds to the residual: W[b, k] ∝ p_k·(1 + ρ_bk + λ_k). A reward held above its floor keeps λ = 0. (An output-space proxy, Σ_i ‖∂C_i/∂v_θ‖²·a_ik·a_ij, costs no backward pass but treats the
 samples' outputs as independent parameters: on the audio-video world it put every cosine at
 0.6–0.9 while sync fell under fixed weights, because the conflict lives in the shared weights.)
 
@@ -102,6 +108,7 @@ def residual_weights(
     strength: float = 1.0,
     threshold: float = 0.3,
     max_residual: float = 4.0,
+    floor_multiplier: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One epoch's update of the routing: (W [M, K], cos [M, K], residual ρ [M, K]).
 
@@ -112,9 +119,12 @@ def residual_weights(
     epoch until it is not, and a residual no longer needed decays back to 0 (the prior). Only
     residuals relative to a row's least boosted reward change W, so that one is held at 0.
     ``active`` False (warm-up) returns W0 itself and ρ unchanged. Rewards with W0 = 0 keep 0.
+    ``floor_multiplier``: λ [K] of ``floor_multipliers``, added to every row's residual (W ∝ W0·(1 + ρ + λ)).
     """
+    extra = torch.zeros(priors.shape[1]) if floor_multiplier is None else floor_multiplier.float()
+
     def routed(rho):
-        boosted = priors.float() * (1 + rho)
+        boosted = priors.float() * (1 + rho + extra[None, :])
         return boosted * priors.float().sum(1, keepdim=True) / boosted.sum(1, keepdim=True).clamp(min=1e-12)
 
     gram = psd_part(gram.float())
@@ -127,6 +137,23 @@ def residual_weights(
     floor = torch.where(routed_mask, residual, torch.full_like(residual, float("inf"))).min(1, keepdim=True).values
     residual = ((residual - floor.clamp(min=0)).clamp(min=0.0, max=max_residual)) * routed_mask
     return routed(residual), cos, residual
+
+
+def floor_multipliers(
+    multiplier: torch.Tensor,
+    means: torch.Tensor,
+    floors: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    strength: float,
+    max_multiplier: float,
+) -> torch.Tensor:
+    """One dual-ascent step on the constraints r̄_k ≥ f_k: λ ← clip(λ + strength·(f − r̄)/s, 0, λ_max).
+
+    multiplier λ, means r̄ (this epoch's), floors f, scales s (> 0): [K] → [K]. A NaN mean (no
+    valid sample) leaves its λ as it is."""
+    step = strength * (floors.float() - means.float()) / scales.float().clamp(min=1e-6)
+    return (multiplier.float() + torch.nan_to_num(step, nan=0.0)).clamp(min=0.0, max=max_multiplier)
 
 
 def response_ratio(output: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -220,12 +247,15 @@ class RewardRouter:
     weights W [M, K] and each cross-modal module's mean response (an EMA, for its gradient scale).
 
     ``observe`` adds one minibatch's interaction Gram [M, K, K] (``interaction_gram`` per branch);
-    ``end_epoch(epoch)`` folds the epoch's Gram into the EMA and, from epoch ``warmup`` on,
-    recomputes W with ``residual_weights`` (before it W is W0).
+    ``observe_rewards`` the epoch's per-reward training mean and std [K]; ``end_epoch(epoch)`` folds
+    the epoch's Gram into the EMA, during warm-up accumulates the reward floors, and from epoch
+    ``warmup`` on updates the floor multipliers and recomputes W with ``residual_weights``
+    (before it W is W0).
     """
 
     def __init__(self, priors: torch.Tensor, concerns: torch.Tensor, *, warmup: int, strength: float,
-                 threshold: float, max_residual: float, gram_decay: float):
+                 threshold: float, max_residual: float, gram_decay: float, floor_strength: float = 0.0,
+                 floor_max: float = 10.0):
         self.priors = routed_priors(priors, concerns)
         self.weights = self.priors.clone()
         self.cos = torch.zeros_like(self.priors)
@@ -235,10 +265,25 @@ class RewardRouter:
         self.layer_influence: dict[str, float] = {}
         self.warmup, self.strength, self.threshold = warmup, strength, threshold
         self.max_residual, self.gram_decay = max_residual, gram_decay
+        self.floor_strength, self.floor_max = floor_strength, floor_max
+        k = self.priors.shape[1]
+        self.floor_multiplier = torch.zeros(k)
+        self.warmup_sums = torch.zeros(3, k)  # Σ n, Σ mean·n, Σ (std² + mean²)·n over the warm-up epochs
+        self.epoch_rewards: tuple[torch.Tensor, torch.Tensor] | None = None
         self._seen = False
 
     def observe(self, gram: torch.Tensor) -> None:
         self.pending_gram += gram.detach().float().cpu()
+
+    def observe_rewards(self, means: torch.Tensor, stds: torch.Tensor, counts: torch.Tensor) -> None:
+        """This epoch's training rewards: per component mean, std and number of valid samples [K]."""
+        self.epoch_rewards = (means.float(), stds.float(), counts.float())
+
+    def floors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(f, s) [K]: each reward's mean and std over the warm-up epochs' samples."""
+        n, total, squares = self.warmup_sums
+        mean = total / n.clamp(min=1)
+        return mean, (squares / n.clamp(min=1) - mean**2).clamp(min=0).sqrt()
 
     def observe_layers(self, influence: dict[str, float], decay: float = 0.9) -> None:
         for name, u in influence.items():
@@ -250,15 +295,28 @@ class RewardRouter:
         self.gram = self.pending_gram if not self._seen else \
             self.gram_decay * self.gram + (1 - self.gram_decay) * self.pending_gram
         self._seen, self.pending_gram = True, torch.zeros_like(self.gram)
+        if self.floor_strength > 0 and self.epoch_rewards is not None:
+            means, stds, counts = self.epoch_rewards
+            if epoch <= self.warmup:  # the rewards sampled under W0
+                self.warmup_sums += torch.stack([counts, means * counts, (stds**2 + means**2) * counts])
+            else:
+                floors, scales = self.floors()
+                self.floor_multiplier = floor_multipliers(self.floor_multiplier, means, floors, scales,
+                                                          strength=self.floor_strength, max_multiplier=self.floor_max)
+        self.epoch_rewards = None
         self.weights, self.cos, self.residual = residual_weights(
             self.priors, self.gram, self.residual, active=epoch >= self.warmup, strength=self.strength,
-            threshold=self.threshold, max_residual=self.max_residual)
+            threshold=self.threshold, max_residual=self.max_residual, floor_multiplier=self.floor_multiplier)
 
     def state_dict(self) -> dict:
         return {"weights": self.weights, "cos": self.cos, "gram": self.gram, "residual": self.residual, "seen": self._seen,
-                "layer_influence": dict(self.layer_influence)}
+                "layer_influence": dict(self.layer_influence), "floor_multiplier": self.floor_multiplier,
+                "warmup_sums": self.warmup_sums}
 
     def load_state_dict(self, state: dict) -> None:
         self.weights, self.cos, self.gram = state["weights"], state["cos"], state["gram"]
         self.residual = state["residual"]
         self._seen, self.layer_influence = state["seen"], dict(state["layer_influence"])
+        # checkpoints written before reward floors existed have none: they start from λ = 0
+        self.floor_multiplier = state.get("floor_multiplier", torch.zeros_like(self.floor_multiplier))
+        self.warmup_sums = state.get("warmup_sums", torch.zeros_like(self.warmup_sums))
