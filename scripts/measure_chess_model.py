@@ -43,7 +43,10 @@ REWARD_KEYS = ("unique", "theme_match", "theme_score", "yield", "best_move")
 def move_is_legal(fen: str, move: str | None) -> bool:
     if move is None or not is_legal(fen):
         return False
-    return chess.Move.from_uci(move) in chess.Board(fen).legal_moves
+    try:
+        return chess.Move.from_uci(move) in chess.Board(fen).legal_moves
+    except chess.InvalidMoveError:  # e.g. a null move "e8e8" decoded from the move tokens
+        return False
 
 
 def nanmean(values: list[float]) -> float | None:

@@ -15,6 +15,11 @@ test prompts (``flowalign.evaluation.evaluate``: ODE, guidance 1, seeds 0…7, 1
 
     OMP_NUM_THREADS=1 python scripts/pretrain_av.py --out pipelines/demo_models/av-demo --steps 5000
     OMP_NUM_THREADS=1 python scripts/pretrain_av.py --baseline-only --out pipelines/demo_models/av-demo
+
+``--init FOLDER`` continues from a saved model (a fresh optimiser and schedule). ``quick_eval``
+also prints ``coupling``: sync minus the sync of the same videos paired with the audio of another
+seed of the same prompt. A model that draws its beeps independently of its video scores ≈ 0
+there, however high its sync (which the prompt's speed alone can raise).
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ def flow_loss(pipe: AVPipeline, specs: list[dict], rng: random.Random, g: torch.
 @torch.no_grad()
 def quick_eval(pipe: AVPipeline, n_seeds: int = 2, steps: int = 16) -> dict[str, float]:
     """Mean ``audio_video`` components over the test prompts × ``n_seeds`` (ODE, guidance 1)."""
-    from reward_models.audio_video import AudioVideoReward
+    from reward_models.audio_video import AudioVideoReward, sync, track_ball
 
     specs = [s for s in prompt_split("test") for _ in range(n_seeds)]
     noise = torch.cat([torch.randn((1, pipe.joint_layout.numel), generator=torch.Generator().manual_seed(k % n_seeds))
@@ -66,6 +71,8 @@ def quick_eval(pipe: AVPipeline, n_seeds: int = 2, steps: int = 16) -> dict[str,
     out = pipe([s["prompt"] for s in specs], num_inference_steps=steps, latents=noise)
     samples = pipe.decode_latents(out.latents)
     scores = AudioVideoReward()(samples, [s["prompt"] for s in specs], specs)
+    other_seed = torch.arange(len(specs)).view(-1, n_seeds).roll(1, dims=1).flatten()  # same prompt, next seed
+    scores["coupling"] = scores["sync"] - sync(track_ball(samples.video), samples.audio.flatten(1)[other_seed])
     return {k: round(v.mean().item(), 4) for k, v in scores.items()}
 
 
@@ -74,7 +81,7 @@ def train(pipe: AVPipeline, steps: int, batch: int, lr: float, ema_decay: float,
     """AdamW with warm-up and cosine decay to 10 %; returns (the EMA pipeline, steps taken)."""
     params = [p for m in (pipe.model, pipe.text_encoder) for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    warmup = min(200, steps // 10)
+    warmup = max(1, min(200, steps // 10))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))))
     ema = copy.deepcopy(pipe)
@@ -124,6 +131,7 @@ def measure_baseline(out: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="pipelines/demo_models/av-demo", help="output folder (diffusers format)")
+    parser.add_argument("--init", default=None, help="continue from this saved model folder")
     parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=5e-4)
@@ -142,12 +150,18 @@ def main() -> None:
         return
     rng = random.Random(args.seed)
     start = time.time()
-    pipe = build_tiny_av_pipeline(vocabulary(), DEMO_SIZES, seed=args.seed)
+    pipe = AVPipeline.from_pretrained(args.init) if args.init else build_tiny_av_pipeline(vocabulary(), DEMO_SIZES,
+                                                                                           seed=args.seed)
+    init_minutes = 0.0
+    if args.init:
+        done = json.loads((Path(args.init) / "pretraining.json").read_text())
+        init_minutes = done.get("total_minutes", done["minutes"])
     ema, taken = train(pipe, args.steps, args.batch, args.lr, args.ema, rng, args.max_minutes, args.eval_every)
     print(f"final eval (EMA): {quick_eval(ema, n_seeds=4)}", flush=True)
     ema.save_pretrained(out)
     minutes = (time.time() - start) / 60
     (out / "pretraining.json").write_text(json.dumps({**vars(args), "steps_taken": taken, "minutes": minutes,
+                                                      "total_minutes": init_minutes + minutes,
                                                       "sizes": vars(DEMO_SIZES)}, indent=2))
     print(f"saved to {out} after {minutes:.1f} min", flush=True)
     if args.baseline:
