@@ -203,9 +203,9 @@ class AVBlock(nn.Module):
         self.audio_to_video_attn = CrossModalAttention(dim, heads)
         self.video_to_audio_attn = CrossModalAttention(dim, heads)
 
-    def forward(self, hv, ha, text, cond):
-        mv = self.video.modulation(F.silu(cond)).chunk(6, dim=-1)
-        ma = self.audio.modulation(F.silu(cond)).chunk(6, dim=-1)
+    def forward(self, hv, ha, text, cond_video, cond_audio):
+        mv = self.video.modulation(F.silu(cond_video)).chunk(6, dim=-1)
+        ma = self.audio.modulation(F.silu(cond_audio)).chunk(6, dim=-1)
         hv, ha = self.video.attend(hv, text, mv), self.audio.attend(ha, text, ma)
         hv, ha = hv + self.audio_to_video_attn(hv, ha), ha + self.video_to_audio_attn(ha, hv)
         return self.video.mlp(hv, mv), self.audio.mlp(ha, ma)
@@ -296,8 +296,10 @@ class AVDiffusionModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
     def forward(self, video: torch.Tensor, audio: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor,
                 pooled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """video tokens [B, N_v, 3·p²], audio tokens [B, N_a, a] (noisy latents, ``joint_layout``);
-        timestep [B] = 1000·σ; text [B, L, D_text]; pooled [B, D_text]. Returns the velocities in the
-        same token layouts."""
+        timestep [B] = 1000·σ, or [B, 2] = 1000·(σ_video, σ_audio) for streams noised to different
+        levels (pre-training, ``scripts/pretrain_av.py --independent-noise``; each stream's adaLN
+        then reads its own level); text [B, L, D_text]; pooled [B, D_text]. Returns the velocities
+        in the same token layouts."""
         layout, b = self.joint_layout, video.shape[0]
         if (video.shape[1:] != (layout.video_tokens, layout.video_channels)
                 or audio.shape[1:] != (layout.audio_tokens, layout.audio_channels)):
@@ -306,13 +308,16 @@ class AVDiffusionModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
                              f"{tuple(audio.shape)}")
         dtype = self.video_in.weight.dtype
         frames = self.config.frames
-        cond = self.time_embed(self.time_proj(timestep.flatten().expand(b)).to(dtype)) + self.pooled_embed(pooled.to(dtype))
+        per_stream = timestep.dim() == 2 and timestep.shape[1] == 2
+        levels = timestep.unbind(1) if per_stream else (timestep.flatten().expand(b),) * 2
+        text_cond = self.pooled_embed(pooled.to(dtype))
+        cond_video, cond_audio = (self.time_embed(self.time_proj(t).to(dtype)) + text_cond for t in levels)
         hv = self.video_in(video.to(dtype)) + self.video_place.repeat(frames, 1) + self.video_time.to(dtype)
         ha = self.audio_in(audio.to(dtype)) + self.audio_place.repeat(frames, 1) + self.audio_time.to(dtype)
         text = text.to(dtype)
         for block in self.blocks:
-            hv, ha = block(hv, ha, text, cond)
-        return self.video_out(hv, cond), self.audio_out(ha, cond)
+            hv, ha = block(hv, ha, text, cond_video, cond_audio)
+        return self.video_out(hv, cond_video), self.audio_out(ha, cond_audio)
 
     # -- cross-modal access ------------------------------------------------------------------
     def cross_modal_modules(self) -> dict[str, CrossModalAttention]:

@@ -44,19 +44,26 @@ BASELINE = {"prompts": "av:test", "seeds": list(range(8)), "steps": 16, "guidanc
 
 
 def flow_loss(pipe: AVPipeline, specs: list[dict], rng: random.Random, g: torch.Generator,
-              drop: float = 0.1) -> torch.Tensor:
-    """Rectified-flow loss on fresh clips of ``specs``: mean over video elements + mean over audio elements."""
+              drop: float = 0.1, independent: float = 0.0) -> torch.Tensor:
+    """Rectified-flow loss on fresh clips of ``specs``: mean over video elements + mean over audio
+    elements. A fraction ``independent`` of the clips noise each stream to its own σ (the model
+    reads both levels): there, the less noisy stream shows where the other's events are, so the
+    loss rewards reading it through the cross-modal attention; with one shared σ both streams are
+    equally unclear and the beeps can be drawn without looking at the video."""
     video, audio, _ = clip_batch(specs, rng)
     x0 = pipe.pack_clip(video, audio)
     b = len(specs)
     prompts = [s["prompt"] if rng.random() > drop else "" for s in specs]
     text, pooled = pipe.encode_prompt(prompts)
-    sigma = torch.sigmoid(torch.randn(b, generator=g))[:, None]  # logit-normal
-    noise = torch.randn(x0.shape, generator=g)
-    xt = (1 - sigma) * x0 + sigma * noise
-    v = pipe.velocity(xt, sigma.flatten() * 1000, text, pooled)
-    err = (v - (noise - x0)) ** 2
+    sigma = torch.sigmoid(torch.randn(b, 2, generator=g))  # logit-normal, (video, audio)
+    shared = torch.rand(b, generator=g) >= independent
+    sigma[shared, 1] = sigma[shared, 0]
     masks = pipe.joint_layout.masks()
+    sigma_el = torch.where(masks[1], sigma[:, 1:], sigma[:, :1])  # [B, D]: each element its stream's σ
+    noise = torch.randn(x0.shape, generator=g)
+    xt = (1 - sigma_el) * x0 + sigma_el * noise
+    v = pipe.velocity(xt, sigma * 1000, text, pooled)
+    err = (v - (noise - x0)) ** 2
     return sum(err[:, m].mean() for m in masks)
 
 
@@ -77,7 +84,7 @@ def quick_eval(pipe: AVPipeline, n_seeds: int = 2, steps: int = 16) -> dict[str,
 
 
 def train(pipe: AVPipeline, steps: int, batch: int, lr: float, ema_decay: float, rng: random.Random,
-          max_minutes: float, eval_every: int) -> tuple[AVPipeline, int]:
+          max_minutes: float, eval_every: int, independent: float = 0.0) -> tuple[AVPipeline, int]:
     """AdamW with warm-up and cosine decay to 10 %; returns (the EMA pipeline, steps taken)."""
     params = [p for m in (pipe.model, pipe.text_encoder) for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
@@ -92,7 +99,7 @@ def train(pipe: AVPipeline, steps: int, batch: int, lr: float, ema_decay: float,
     start, step = time.time(), 0
     bar = tqdm(range(steps), desc="flow", mininterval=30)
     for step in bar:
-        loss = flow_loss(pipe, sample_specs(batch, rng), rng, g)
+        loss = flow_loss(pipe, sample_specs(batch, rng), rng, g, independent=independent)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -133,6 +140,8 @@ def main() -> None:
     parser.add_argument("--out", default="pipelines/demo_models/av-demo", help="output folder (diffusers format)")
     parser.add_argument("--init", default=None, help="continue from this saved model folder")
     parser.add_argument("--steps", type=int, default=5000)
+    parser.add_argument("--independent-noise", type=float, default=0.0,
+                        help="fraction of clips whose video and audio are noised to independent levels (flow_loss)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--ema", type=float, default=0.999)
@@ -156,7 +165,8 @@ def main() -> None:
     if args.init:
         done = json.loads((Path(args.init) / "pretraining.json").read_text())
         init_minutes = done.get("total_minutes", done["minutes"])
-    ema, taken = train(pipe, args.steps, args.batch, args.lr, args.ema, rng, args.max_minutes, args.eval_every)
+    ema, taken = train(pipe, args.steps, args.batch, args.lr, args.ema, rng, args.max_minutes, args.eval_every,
+                       args.independent_noise)
     print(f"final eval (EMA): {quick_eval(ema, n_seeds=4)}", flush=True)
     ema.save_pretrained(out)
     minutes = (time.time() - start) / 60

@@ -146,3 +146,20 @@ def test_the_shipped_demo_model_loads_by_name_and_is_small():
     assert adapter.latent_shape() == (FRAMES * 3 * SIZE * SIZE + AUDIO_SAMPLES,)
     baseline = json.loads((folder / "baseline.json").read_text())
     assert baseline["prompts"] == "av:test" and 0 <= baseline["metrics"]["audio_video/sync"] <= 1
+
+
+def test_per_stream_noise_levels_reduce_to_the_shared_level_and_each_reaches_its_stream(adapter):
+    model, pipe = adapter.model, adapter.pipe
+    layout = model.joint_layout
+    g = torch.Generator().manual_seed(3)
+    video = torch.randn(2, layout.video_tokens, layout.video_channels, generator=g)
+    audio = torch.randn(2, layout.audio_tokens, layout.audio_channels, generator=g)
+    text, pooled = pipe.encode_prompt(PROMPTS[:2])
+    t = torch.tensor([250.0, 700.0])
+    with torch.no_grad():
+        shared = model(video, audio, t, text, pooled)
+        same = model(video, audio, torch.stack([t, t], 1), text, pooled)
+        other_audio_level = model(video, audio, torch.stack([t, t.flip(0)], 1), text, pooled)
+    for a, b in zip(shared, same):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert (other_audio_level[1] - shared[1]).abs().max() > 1e-3  # the audio stream reads its own level
