@@ -126,9 +126,10 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(context_dim or dim, dim)
         self.to_out = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                 return_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """→ (output [B, N, D], probabilities [B, heads, N, M] or None)."""
+        """mask: bool [N, M], True where a query may attend a key (None: everywhere) → (output
+        [B, N, D], probabilities [B, heads, N, M] or None)."""
         context = x if context is None else context
         b, n, d = x.shape
         q = self.to_q(x).view(b, n, self.heads, -1).transpose(1, 2)
@@ -136,10 +137,13 @@ class Attention(nn.Module):
                 for proj in (self.to_k, self.to_v))
         probs = None
         if return_probs:
-            probs = torch.softmax((q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1]), dim=-1)
+            scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
             out = probs @ v
         else:
-            out = F.scaled_dot_product_attention(q, k, v)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.to_out(out.transpose(1, 2).reshape(b, n, d)), probs
 
 
@@ -152,10 +156,12 @@ class CrossModalAttention(Attention):
         self.recorder: AttentionRecorder | None = None
         self.record_name = ""
 
-    def forward(self, h: torch.Tensor, other: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        """h: the querying stream's residual [B, N, D]; other: the other stream [B, M, D] → update [B, N, D]."""
+    def forward(self, h: torch.Tensor, other: torch.Tensor,  # type: ignore[override]
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """h: the querying stream's residual [B, N, D]; other: the other stream [B, M, D]; mask: bool
+        [N, M] (True: may attend) or None → update [B, N, D]."""
         recorder = self.recorder
-        out, probs = super().forward(self.norm_q(h), self.norm_kv(other),
+        out, probs = super().forward(self.norm_q(h), self.norm_kv(other), mask=mask,
                                      return_probs=recorder is not None and recorder.maps)
         if recorder is not None:
             recorder.add(self.record_name, CrossModalRecord(
@@ -203,11 +209,12 @@ class AVBlock(nn.Module):
         self.audio_to_video_attn = CrossModalAttention(dim, heads)
         self.video_to_audio_attn = CrossModalAttention(dim, heads)
 
-    def forward(self, hv, ha, text, cond_video, cond_audio):
+    def forward(self, hv, ha, text, cond_video, cond_audio, video_sees_audio=None, audio_sees_video=None):
         mv = self.video.modulation(F.silu(cond_video)).chunk(6, dim=-1)
         ma = self.audio.modulation(F.silu(cond_audio)).chunk(6, dim=-1)
         hv, ha = self.video.attend(hv, text, mv), self.audio.attend(ha, text, ma)
-        hv, ha = hv + self.audio_to_video_attn(hv, ha), ha + self.video_to_audio_attn(ha, hv)
+        hv, ha = (hv + self.audio_to_video_attn(hv, ha, video_sees_audio),
+                  ha + self.video_to_audio_attn(ha, hv, audio_sees_video))
         return self.video.mlp(hv, mv), self.audio.mlp(ha, ma)
 
 
@@ -234,7 +241,12 @@ class AVDiffusionModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
 
     Config: ``frames``, ``height``, ``width``, ``samples_per_frame`` the clip layout; ``patch``
     (video, pixels) and ``audio_patch`` (samples) the token sizes; ``dim``, ``layers``,
-    ``heads``, ``mlp_ratio`` the transformer; ``text_dim`` the text encoder's hidden size.
+    ``heads``, ``mlp_ratio`` the transformer; ``text_dim`` the text encoder's hidden size;
+    ``cross_modal_window`` (frames, or None for full attention): a video token attends only to
+    the audio tokens within that many frames of its own, and an audio token to those video tokens
+    (0: the same frame), the temporally aligned cross-attention of LTX-2's audio-video blocks
+    (there through a temporal RoPE; here a hard mask). It adds no weights, so
+    ``set_cross_modal_window`` can switch a trained model.
     """
 
     _supports_gradient_checkpointing = False
@@ -242,7 +254,7 @@ class AVDiffusionModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
     @register_to_config
     def __init__(self, frames: int = 8, height: int = 16, width: int = 16, samples_per_frame: int = 64,
                  patch: int = 4, audio_patch: int = 16, dim: int = 64, layers: int = 4, heads: int = 4,
-                 mlp_ratio: int = 4, text_dim: int = 32):
+                 mlp_ratio: int = 4, text_dim: int = 32, cross_modal_window: int | None = None):
         super().__init__()
         if height % patch or width % patch or samples_per_frame % audio_patch or dim % heads:
             raise ValueError(f"patch {patch} must divide {height}×{width}, audio_patch {audio_patch} must divide "
@@ -263,6 +275,24 @@ class AVDiffusionModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         frame_of_audio = torch.arange(frames * self.audio_tokens_per_frame) / self.audio_tokens_per_frame
         self.register_buffer("video_time", time_encoding(frame_of_video, dim), persistent=False)
         self.register_buffer("audio_time", time_encoding(frame_of_audio, dim), persistent=False)
+        self.register_buffer("video_frame", frame_of_video, persistent=False)
+        self.register_buffer("audio_frame", frame_of_audio.floor().long(), persistent=False)
+        self.set_cross_modal_window(cross_modal_window)
+
+    def set_cross_modal_window(self, window: int | None) -> None:
+        """Restrict cross-modal attention to tokens within ``window`` frames (None: no restriction);
+        recorded in the config, so ``save_pretrained`` keeps it."""
+        if window is not None and window < 0:
+            raise ValueError(f"cross_modal_window must be ≥ 0 or None, got {window}")
+        self.register_to_config(cross_modal_window=window)
+
+    def cross_modal_masks(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(video sees audio: bool [N_v, N_a], audio sees video: [N_a, N_v]), None without a window."""
+        window = self.config.cross_modal_window
+        if window is None:
+            return None, None
+        near = (self.video_frame[:, None] - self.audio_frame[None]).abs() <= window
+        return near, near.T
 
     @property
     def joint_layout(self) -> JointLayout:
@@ -315,8 +345,9 @@ class AVDiffusionModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         hv = self.video_in(video.to(dtype)) + self.video_place.repeat(frames, 1) + self.video_time.to(dtype)
         ha = self.audio_in(audio.to(dtype)) + self.audio_place.repeat(frames, 1) + self.audio_time.to(dtype)
         text = text.to(dtype)
+        masks = self.cross_modal_masks()
         for block in self.blocks:
-            hv, ha = block(hv, ha, text, cond_video, cond_audio)
+            hv, ha = block(hv, ha, text, cond_video, cond_audio, *masks)
         return self.video_out(hv, cond_video), self.audio_out(ha, cond_audio)
 
     # -- cross-modal access ------------------------------------------------------------------

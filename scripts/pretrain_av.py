@@ -142,6 +142,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--independent-noise", type=float, default=0.0,
                         help="fraction of clips whose video and audio are noised to independent levels (flow_loss)")
+    parser.add_argument("--cross-modal-window", type=int, default=None,
+                        help="frames a token's cross-modal attention reaches (0: its own frame; default: all); "
+                             "also switches a model loaded with --init")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--ema", type=float, default=0.999)
@@ -165,6 +168,8 @@ def main() -> None:
     if args.init:
         done = json.loads((Path(args.init) / "pretraining.json").read_text())
         init_minutes = done.get("total_minutes", done["minutes"])
+    if args.cross_modal_window is not None:
+        pipe.model.set_cross_modal_window(args.cross_modal_window)
     ema, taken = train(pipe, args.steps, args.batch, args.lr, args.ema, rng, args.max_minutes, args.eval_every,
                        args.independent_noise)
     print(f"final eval (EMA): {quick_eval(ema, n_seeds=4)}", flush=True)

@@ -163,3 +163,49 @@ def test_per_stream_noise_levels_reduce_to_the_shared_level_and_each_reaches_its
     for a, b in zip(shared, same):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert (other_audio_level[1] - shared[1]).abs().max() > 1e-3  # the audio stream reads its own level
+
+
+def test_cross_modal_window_limits_attention_to_nearby_frames_and_survives_save_load(adapter, tmp_path):
+    model, pipe = adapter.model, adapter.pipe
+    layout, per_frame_v = model.joint_layout, model.grid[0] * model.grid[1]
+    per_frame_a = model.audio_tokens_per_frame
+    g = torch.Generator().manual_seed(4)
+    video = torch.randn(2, layout.video_tokens, layout.video_channels, generator=g)
+    audio = torch.randn(2, layout.audio_tokens, layout.audio_channels, generator=g)
+    text, pooled = pipe.encode_prompt(PROMPTS[:2])
+    t = torch.tensor([250.0, 700.0])
+    with torch.no_grad():
+        full = model(video, audio, t, text, pooled)
+        model.set_cross_modal_window(FRAMES)  # reaches every frame: the same as no window
+        wide = model(video, audio, t, text, pooled)
+        model.set_cross_modal_window(0)
+        narrow = model(video, audio, t, text, pooled)
+    for a, b in zip(full, wide):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert (narrow[1] - full[1]).abs().max() > 1e-3
+
+    # one cross-modal layer on its own: audio tokens of frame 3 read video frame 3 and nothing else
+    layer = model.blocks[0].video_to_audio_attn
+    video_sees_audio, audio_sees_video = model.cross_modal_masks()
+    assert audio_sees_video.sum(1).eq(per_frame_v).all() and video_sees_audio.sum(1).eq(per_frame_a).all()
+    h_v = torch.randn(2, layout.video_tokens, model.config.dim, generator=g)
+    h_a = torch.randn(2, layout.audio_tokens, model.config.dim, generator=g)
+    frame3 = slice(3 * per_frame_a, 4 * per_frame_a)
+    elsewhere, own = h_v.clone(), h_v.clone()
+    elsewhere[:, :3 * per_frame_v] += torch.randn(2, 3 * per_frame_v, model.config.dim, generator=g)
+    own[:, 3 * per_frame_v:4 * per_frame_v] += torch.randn(2, per_frame_v, model.config.dim, generator=g)
+    with torch.no_grad():
+        base = layer(h_a, h_v, audio_sees_video)[:, frame3]
+        torch.testing.assert_close(layer(h_a, elsewhere, audio_sees_video)[:, frame3], base, rtol=0, atol=0)
+        assert (layer(h_a, own, audio_sees_video)[:, frame3] - base).abs().max() > 1e-3
+        with model.record_cross_modal(maps=True) as recorder:
+            recorded = model(video, audio, t, text, pooled)
+    torch.testing.assert_close(recorded[1], narrow[1], rtol=0, atol=1e-5)  # explicit softmax = SDPA, masked
+    probs = recorder.last("blocks.0.video_to_audio_attn").probs
+    assert probs[..., ~audio_sees_video].eq(0).all()
+
+    model.save_pretrained(tmp_path / "windowed")
+    reloaded = type(model).from_pretrained(tmp_path / "windowed")
+    assert reloaded.config.cross_modal_window == 0
+    with pytest.raises(ValueError, match="cross_modal_window"):
+        model.set_cross_modal_window(-1)
