@@ -19,7 +19,8 @@ test prompts (``flowalign.evaluation.evaluate``: ODE, guidance 1, seeds 0…7, 1
 ``--init FOLDER`` continues from a saved model (a fresh optimiser and schedule). ``quick_eval``
 also prints ``coupling``: sync minus the sync of the same videos paired with the audio of another
 seed of the same prompt. A model that draws its beeps independently of its video scores ≈ 0
-there, however high its sync (which the prompt's speed alone can raise).
+there, however high its sync (which the prompt's speed alone can raise); ``video_informs_audio``
+is the same question asked of the loss (``video_informs_audio()``).
 """
 
 from __future__ import annotations
@@ -43,21 +44,41 @@ DEMO_SIZES = TinyAVSizes(dim=96, layers=4, heads=4, mlp_ratio=4, text_hidden=32,
 BASELINE = {"prompts": "av:test", "seeds": list(range(8)), "steps": 16, "guidance": 1.0}
 
 
+def shifted(sigma: torch.Tensor, shift: float) -> torch.Tensor:
+    """SD3's time shift σ ↦ sσ / (1 + (s − 1)σ): s > 1 moves mass toward pure noise."""
+    return shift * sigma / (1 + (shift - 1) * sigma)
+
+
 def flow_loss(pipe: AVPipeline, specs: list[dict], rng: random.Random, g: torch.Generator,
-              drop: float = 0.1, independent: float = 0.0) -> torch.Tensor:
+              drop: float = 0.1, independent: float = 0.0, conditional: float = 0.0,
+              shift: float = 1.0) -> torch.Tensor:
     """Rectified-flow loss on fresh clips of ``specs``: mean over video elements + mean over audio
-    elements. A fraction ``independent`` of the clips noise each stream to its own σ (the model
-    reads both levels): there, the less noisy stream shows where the other's events are, so the
-    loss rewards reading it through the cross-modal attention; with one shared σ both streams are
-    equally unclear and the beeps can be drawn without looking at the video."""
+    elements. σ is logit-normal, shifted by ``shift``, and shared by both streams, except for
+
+    * a fraction ``independent`` of the clips, whose streams each draw σ uniformly from [0, 1]
+      (UniDiffuser's independent per-modality timesteps; the model reads both levels);
+    * a fraction ``conditional``, in which one stream (video or audio, even odds) is clean
+      (σ = 0: the condition) and the other draws σ from U(0, 1) shifted by 3 toward noise, where
+      the condition decides the most: p(audio | video) and p(video | audio).
+
+    Why: a beep is so loud that its own noisy samples reveal it up to σ ≈ 0.95, so with a shared
+    σ the audio is predictable from the audio alone wherever logit-normal σ puts its mass, and
+    the loss never rewards reading the video; a model trained so draws its beeps without looking
+    at its ball (docs/audio_video.md)."""
     video, audio, _ = clip_batch(specs, rng)
     x0 = pipe.pack_clip(video, audio)
     b = len(specs)
     prompts = [s["prompt"] if rng.random() > drop else "" for s in specs]
     text, pooled = pipe.encode_prompt(prompts)
-    sigma = torch.sigmoid(torch.randn(b, 2, generator=g))  # logit-normal, (video, audio)
-    shared = torch.rand(b, generator=g) >= independent
-    sigma[shared, 1] = sigma[shared, 0]
+    sigma = shifted(torch.sigmoid(torch.randn(b, 1, generator=g)), shift).expand(b, 2).clone()  # (video, audio)
+    kind = torch.rand(b, generator=g)
+    own = kind < independent
+    sigma[own] = torch.rand(int(own.sum()), 2, generator=g)
+    cond = (kind >= independent) & (kind < independent + conditional)
+    generated = shifted(torch.rand(b, generator=g), 3.0)
+    audio_given_video = torch.rand(b, generator=g) < 0.5
+    sigma[cond] = torch.stack([torch.where(audio_given_video, 0.0, generated),
+                               torch.where(audio_given_video, generated, 0.0)], 1)[cond]
     masks = pipe.joint_layout.masks()
     sigma_el = torch.where(masks[1], sigma[:, 1:], sigma[:, :1])  # [B, D]: each element its stream's σ
     noise = torch.randn(x0.shape, generator=g)
@@ -80,11 +101,34 @@ def quick_eval(pipe: AVPipeline, n_seeds: int = 2, steps: int = 16) -> dict[str,
     scores = AudioVideoReward()(samples, [s["prompt"] for s in specs], specs)
     other_seed = torch.arange(len(specs)).view(-1, n_seeds).roll(1, dims=1).flatten()  # same prompt, next seed
     scores["coupling"] = scores["sync"] - sync(track_ball(samples.video), samples.audio.flatten(1)[other_seed])
-    return {k: round(v.mean().item(), 4) for k, v in scores.items()}
+    return {**{k: round(v.mean().item(), 4) for k, v in scores.items()}, "video_informs_audio": video_informs_audio(pipe)}
+
+
+@torch.no_grad()
+def video_informs_audio(pipe: AVPipeline, sigma_audio: float = 0.98, clips_per_prompt: int = 2) -> float:
+    """How much the model's audio prediction uses the video: its audio flow loss with the audio at
+    ``sigma_audio`` and the clean video of *another* clip of the same prompt, minus the same with
+    the clip's own video (every prompt × ``clips_per_prompt``, fixed clips and noise). 0 for a model
+    that ignores its video; an ideal one gains ≈ the audio's variance (≈ 0.1) near σ_a = 1."""
+    specs = [s for s in prompt_split("all") for _ in range(clips_per_prompt)]
+    video, audio, _ = clip_batch(specs, random.Random(0))
+    x0 = pipe.pack_clip(video, audio)
+    audio_mask = pipe.joint_layout.masks()[1]
+    text, pooled = pipe.encode_prompt([s["prompt"] for s in specs])
+    other = torch.arange(len(specs)).view(-1, clips_per_prompt).roll(1, dims=1).flatten()
+    noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0))
+    t = torch.tensor([[0.0, 1000 * sigma_audio]]).expand(len(specs), 2)
+    losses = []
+    for clean in (x0, x0[other]):
+        x = torch.where(audio_mask, (1 - sigma_audio) * x0 + sigma_audio * noise, clean)
+        v = pipe.velocity(x, t, text, pooled)
+        losses.append(((v - (noise - x0))[:, audio_mask] ** 2).mean().item())
+    return round(losses[1] - losses[0], 4)
 
 
 def train(pipe: AVPipeline, steps: int, batch: int, lr: float, ema_decay: float, rng: random.Random,
-          max_minutes: float, eval_every: int, independent: float = 0.0) -> tuple[AVPipeline, int]:
+          max_minutes: float, eval_every: int, independent: float = 0.0, conditional: float = 0.0,
+          shift: float = 1.0) -> tuple[AVPipeline, int]:
     """AdamW with warm-up and cosine decay to 10 %; returns (the EMA pipeline, steps taken)."""
     params = [p for m in (pipe.model, pipe.text_encoder) for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
@@ -99,7 +143,8 @@ def train(pipe: AVPipeline, steps: int, batch: int, lr: float, ema_decay: float,
     start, step = time.time(), 0
     bar = tqdm(range(steps), desc="flow", mininterval=30)
     for step in bar:
-        loss = flow_loss(pipe, sample_specs(batch, rng), rng, g, independent=independent)
+        loss = flow_loss(pipe, sample_specs(batch, rng), rng, g, independent=independent,
+                         conditional=conditional, shift=shift)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -145,6 +190,10 @@ def main() -> None:
     parser.add_argument("--cross-modal-window", type=int, default=None,
                         help="frames a token's cross-modal attention reaches (0: its own frame; default: all); "
                              "also switches a model loaded with --init")
+    parser.add_argument("--conditional", type=float, default=0.0,
+                        help="fraction of clips with one stream clean and the other noised (flow_loss)")
+    parser.add_argument("--sigma-shift", type=float, default=1.0,
+                        help="shift of the shared logit-normal σ toward noise (SD3's shift; 1: none)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--ema", type=float, default=0.999)
@@ -171,7 +220,7 @@ def main() -> None:
     if args.cross_modal_window is not None:
         pipe.model.set_cross_modal_window(args.cross_modal_window)
     ema, taken = train(pipe, args.steps, args.batch, args.lr, args.ema, rng, args.max_minutes, args.eval_every,
-                       args.independent_noise)
+                       args.independent_noise, args.conditional, args.sigma_shift)
     print(f"final eval (EMA): {quick_eval(ema, n_seeds=4)}", flush=True)
     ema.save_pretrained(out)
     minutes = (time.time() - start) / 60
