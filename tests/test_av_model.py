@@ -148,14 +148,17 @@ def test_the_shipped_demo_model_loads_by_name_and_is_small():
     assert baseline["prompts"] == "av:test" and 0 <= baseline["metrics"]["audio_video/sync"] <= 1
 
 
-def test_per_stream_noise_levels_reduce_to_the_shared_level_and_each_reaches_its_stream(adapter):
-    model, pipe = adapter.model, adapter.pipe
-    layout = model.joint_layout
-    g = torch.Generator().manual_seed(3)
+def _model_inputs(adapter, g):
+    """Random video and audio tokens, text of two prompts and two timesteps for ``adapter.model``."""
+    layout = adapter.model.joint_layout
     video = torch.randn(2, layout.video_tokens, layout.video_channels, generator=g)
     audio = torch.randn(2, layout.audio_tokens, layout.audio_channels, generator=g)
-    text, pooled = pipe.encode_prompt(PROMPTS[:2])
-    t = torch.tensor([250.0, 700.0])
+    return (video, audio, *adapter.pipe.encode_prompt(PROMPTS[:2]), torch.tensor([250.0, 700.0]))
+
+
+def test_per_stream_noise_levels_reduce_to_the_shared_level_and_each_reaches_its_stream(adapter):
+    model = adapter.model
+    video, audio, text, pooled, t = _model_inputs(adapter, torch.Generator().manual_seed(3))
     with torch.no_grad():
         shared = model(video, audio, t, text, pooled)
         same = model(video, audio, torch.stack([t, t], 1), text, pooled)
@@ -166,14 +169,11 @@ def test_per_stream_noise_levels_reduce_to_the_shared_level_and_each_reaches_its
 
 
 def test_cross_modal_window_limits_attention_to_nearby_frames_and_survives_save_load(adapter, tmp_path):
-    model, pipe = adapter.model, adapter.pipe
+    model = adapter.model
     layout, per_frame_v = model.joint_layout, model.grid[0] * model.grid[1]
     per_frame_a = model.audio_tokens_per_frame
     g = torch.Generator().manual_seed(4)
-    video = torch.randn(2, layout.video_tokens, layout.video_channels, generator=g)
-    audio = torch.randn(2, layout.audio_tokens, layout.audio_channels, generator=g)
-    text, pooled = pipe.encode_prompt(PROMPTS[:2])
-    t = torch.tensor([250.0, 700.0])
+    video, audio, text, pooled, t = _model_inputs(adapter, g)
     with torch.no_grad():
         full = model(video, audio, t, text, pooled)
         model.set_cross_modal_window(FRAMES)  # reaches every frame: the same as no window
