@@ -105,11 +105,11 @@ def quick_eval(pipe: AVPipeline, n_seeds: int = 2, steps: int = 16) -> dict[str,
 
 
 @torch.no_grad()
-def video_informs_audio(pipe: AVPipeline, sigma_audio: float = 0.98, clips_per_prompt: int = 2) -> float:
-    """How much the model's audio prediction uses the video: its audio flow loss with the audio at
-    ``sigma_audio`` and the clean video of *another* clip of the same prompt, minus the same with
-    the clip's own video (every prompt × ``clips_per_prompt``, fixed clips and noise). 0 for a model
-    that ignores its video; an ideal one gains ≈ the audio's variance (≈ 0.1) near σ_a = 1."""
+def audio_loss_own_vs_other_video(pipe: AVPipeline, sigma_audio: float,
+                                  clips_per_prompt: int = 2) -> tuple[float, float]:
+    """The model's audio flow loss with the audio at ``sigma_audio`` and a clean video: (the
+    clip's own video, another clip's of the same prompt). Every prompt × ``clips_per_prompt``,
+    fixed clips and noise."""
     specs = [s for s in prompt_split("all") for _ in range(clips_per_prompt)]
     video, audio, _ = clip_batch(specs, random.Random(0))
     x0 = pipe.pack_clip(video, audio)
@@ -123,7 +123,15 @@ def video_informs_audio(pipe: AVPipeline, sigma_audio: float = 0.98, clips_per_p
         x = torch.where(audio_mask, (1 - sigma_audio) * x0 + sigma_audio * noise, clean)
         v = pipe.velocity(x, t, text, pooled)
         losses.append(((v - (noise - x0))[:, audio_mask] ** 2).mean().item())
-    return round(losses[1] - losses[0], 4)
+    return losses[0], losses[1]
+
+
+def video_informs_audio(pipe: AVPipeline, sigma_audio: float = 0.98) -> float:
+    """How much the model's audio prediction uses the video: ``audio_loss_own_vs_other_video``'s
+    other − own. 0 for a model that ignores its video; an ideal one gains ≈ the audio's variance
+    (≈ 0.1) near σ_a = 1."""
+    own, other = audio_loss_own_vs_other_video(pipe, sigma_audio)
+    return round(other - own, 4)
 
 
 def train(pipe: AVPipeline, steps: int, batch: int, lr: float, ema_decay: float, rng: random.Random,
