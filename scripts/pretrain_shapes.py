@@ -44,6 +44,7 @@ import json
 import math
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -116,9 +117,12 @@ def _optimizer(params, steps: int, lr: float):
     return opt, sched
 
 
-def train_denoiser(pipe, means, captions, steps: int, batch: int, rng: random.Random, lr: float) -> None:
+def train_denoiser(pipe, means, captions, steps: int, batch: int, rng: random.Random, lr: float,
+                   logit_mean: float = 0.0, logit_std: float = 1.0, ema_decay: float = 0.0) -> None:
     """Stage 2 for either family: the denoiser and its text encoders on batches of posterior means,
-    10 % of the captions dropped to "" (CFG). sd3: rectified flow; sd: DDPM ε-prediction."""
+    10 % of the captions dropped to "" (CFG). sd3: rectified flow with σ = sigmoid(logit_mean +
+    logit_std·z); sd: DDPM ε-prediction. With ``ema_decay`` > 0 the trained modules end holding the
+    exponential moving average of their weights (what is saved and sampled)."""
     sd3 = hasattr(pipe, "transformer")
     vae, denoiser = pipe.vae, (pipe.transformer if sd3 else pipe.unet)
     encoders = [pipe.text_encoder, pipe.text_encoder_2] if sd3 else [pipe.text_encoder]
@@ -126,6 +130,7 @@ def train_denoiser(pipe, means, captions, steps: int, batch: int, rng: random.Ra
     for m in [denoiser, *encoders]:
         m.train().requires_grad_(True)
     opt, sched = _optimizer(params, steps, lr)
+    ema = [p.detach().clone() for p in params] if ema_decay > 0 else None
     shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
     alphas = None if sd3 else pipe.scheduler.alphas_cumprod.float()
     g = torch.Generator().manual_seed(rng.randrange(2**31))
@@ -138,7 +143,7 @@ def train_denoiser(pipe, means, captions, steps: int, batch: int, rng: random.Ra
         if sd3:
             embeds, _, pooled, _ = pipe.encode_prompt(prompts, prompts, None, do_classifier_free_guidance=False,
                                                       max_sequence_length=1)
-            sigma = torch.sigmoid(torch.randn(batch, generator=g)).view(-1, 1, 1, 1)  # logit-normal
+            sigma = torch.sigmoid(logit_mean + logit_std * torch.randn(batch, generator=g)).view(-1, 1, 1, 1)
             xt = (1 - sigma) * x0 + sigma * noise
             out = denoiser(hidden_states=xt, timestep=sigma.flatten() * 1000, encoder_hidden_states=embeds,
                            pooled_projections=pooled).sample
@@ -156,8 +161,14 @@ def train_denoiser(pipe, means, captions, steps: int, batch: int, rng: random.Ra
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
+        if ema is not None:
+            decay = min(ema_decay, (1 + step) / (10 + step))  # warm-up: early weights are forgotten fast
+            torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - decay)
         if step % 50 == 0:
             bar.set_postfix(loss=f"{loss.item():.4f}")
+    if ema is not None:
+        with torch.no_grad():
+            torch._foreach_copy_(params, ema)
 
 
 def build_sd_from_sd3(source: str, seed: int):
@@ -182,6 +193,19 @@ def build_sd_from_sd3(source: str, seed: int):
         safety_checker=None, feature_extractor=None, requires_safety_checker=False)
 
 
+def new_transformer_on(source: str, sizes: TinySD3Sizes, seed: int):
+    """shapes-sd3 with a new, randomly initialised ``SD3Transformer2DModel`` of ``sizes`` and the
+    trained VAE (with its latent shift and scale), text encoders and tokenizers of ``source``."""
+    from diffusers import StableDiffusion3Pipeline
+
+    old = StableDiffusion3Pipeline.from_pretrained(resolve_model_path(source), text_encoder_3=None, tokenizer_3=None)
+    fresh = build_tiny_sd3_pipeline(vocabulary(), sizes, seed=seed)
+    return StableDiffusion3Pipeline(
+        transformer=fresh.transformer, scheduler=old.scheduler, vae=old.vae, text_encoder=old.text_encoder,
+        tokenizer=old.tokenizer, text_encoder_2=old.text_encoder_2, tokenizer_2=old.tokenizer_2,
+        text_encoder_3=None, tokenizer_3=None)
+
+
 def weights_mb(pipe) -> float:
     return sum(p.numel() * p.element_size() for m in pipe.components.values() if isinstance(m, torch.nn.Module)
                for p in m.parameters()) / 1e6
@@ -201,6 +225,14 @@ def main() -> None:
     parser.add_argument("--flow-steps", type=int, default=6000, help="stage-2 steps (flow or DDPM)")
     parser.add_argument("--flow-batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--logit-mean", type=float, default=0.0, help="sd3: σ = sigmoid(mean + std·z)")
+    parser.add_argument("--logit-std", type=float, default=1.0)
+    parser.add_argument("--ema", type=float, default=0.0, help="save the EMA of stage 2's weights (e.g. 0.999)")
+    parser.add_argument("--layers", type=int, default=DEMO_SIZES.layers, help="sd3: transformer blocks")
+    parser.add_argument("--heads", type=int, default=DEMO_SIZES.heads, help="sd3: attention heads")
+    parser.add_argument("--head-dim", type=int, default=DEMO_SIZES.head_dim, help="sd3: width per head")
+    parser.add_argument("--reuse", default=None, help="sd3: a new transformer (--layers/--heads/--head-dim) on "
+                        "this model's trained VAE, text encoders and tokenizers (skips stage 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--init", default=None,
@@ -222,6 +254,11 @@ def main() -> None:
                                                            requires_safety_checker=False)
         pipe.vae.eval().requires_grad_(False)
         means, captions = encode_dataset(pipe.vae, args.dataset, rng)
+    elif args.reuse:
+        pipe = new_transformer_on(args.reuse, replace(DEMO_SIZES, layers=args.layers, heads=args.heads,
+                                                      head_dim=args.head_dim), args.seed)
+        pipe.vae.eval().requires_grad_(False)
+        means, captions = encode_dataset(pipe.vae, args.dataset, rng)
     elif args.family == "sd":
         pipe = build_sd_from_sd3(args.source, args.seed)
         pipe.vae.eval().requires_grad_(False)
@@ -240,7 +277,8 @@ def main() -> None:
         extra.update(latent_mean=scaled.mean().item(), latent_std=scaled.std().item(), weights_mb=weights_mb(pipe))
         print(f"x0 = mean · scaling_factor: mean {extra['latent_mean']:.3f}, std {extra['latent_std']:.3f}; "
               f"weights {extra['weights_mb']:.2f} MB")
-    train_denoiser(pipe, means, captions, args.flow_steps, args.flow_batch, rng, args.lr)
+    train_denoiser(pipe, means, captions, args.flow_steps, args.flow_batch, rng, args.lr, args.logit_mean,
+                   args.logit_std, args.ema)
 
     out = Path(args.out)
     pipe.save_pretrained(out)
