@@ -31,8 +31,8 @@ UNet learns x0 = mean · scaling_factor, unshifted, as SD1.x's latents are; shap
 **The shipped shapes-sd3** is built in two runs. The first (the defaults: a 6-layer, 96-wide
 transformer, logit-normal(0, 1) σ) trains the VAE and text encoders but leaves a transformer that
 cannot lay out a scene from pure noise: started from a true scene noised to σ = 0.7 it finishes
-86 % of multi-object scenes correctly, from σ = 0.85 23 %, from σ = 1 9 % (docs/results.md), and
-logit-normal(0, 1) puts 4 % of its σ's above 0.85. The second run (``--reuse``) trains a new,
+83 % of multi-object scenes correctly, from σ = 0.85 20 %, from σ = 1 9 %
+(``scripts/probe_shapes_layout.py``), and logit-normal(0, 1) puts 4 % of its σ's above 0.85. The second run (``--reuse``) trains a new,
 wider transformer (7 layers × 128) on that VAE and those text encoders, with σ shifted up
 (``--logit-mean 0.5``: 11 % above 0.85, as SD3 shifts σ for larger latents) and saves the EMA of
 its weights (``--ema 0.999``); held-out accuracy 0.205 → 0.406.
@@ -249,6 +249,8 @@ def main() -> None:
     parser.add_argument("--init", default=None,
                         help="continue stage 2 from this saved model of --family (its VAE and latent scale are kept)")
     args = parser.parse_args()
+    if args.reuse and (args.init or args.family != "sd3"):
+        parser.error("--reuse builds a new sd3 transformer: it cannot be combined with --init or --family sd")
     args.out = args.out or f"pipelines/demo_models/{'shapes-sd3' if args.family == 'sd3' else 'shapes-sd15'}"
     torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
