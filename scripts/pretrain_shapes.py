@@ -33,9 +33,10 @@ transformer, logit-normal(0, 1) σ) trains the VAE and text encoders but leaves 
 cannot lay out a scene from pure noise: started from a true scene noised to σ = 0.7 it finishes
 83 % of multi-object scenes correctly, from σ = 0.85 20 %, from σ = 1 9 %
 (``scripts/probe_shapes_layout.py``), and logit-normal(0, 1) puts 4 % of its σ's above 0.85.
-The second run (``--reuse``) trains a new, wider transformer (7 layers × 128) on that VAE and those text encoders, with σ shifted up
-(``--logit-mean 0.5``: 11 % above 0.85, as SD3 shifts σ for larger latents) and saves the EMA of
-its weights (``--ema 0.999``); held-out accuracy 0.205 → 0.406.
+The second run (``--reuse``) trains a new, wider transformer (7 layers × 128) on that VAE and
+those text encoders, with σ shifted up (``--logit-mean 0.5``: 11 % above 0.85, as SD3 shifts σ
+for larger latents) and saves the EMA of its weights (``--ema 0.999``); held-out accuracy
+0.205 → 0.406.
 
 The result is saved with ``save_pretrained`` (safetensors), with its settings in
 ``pretraining.json``; ``scripts/measure_baseline.py`` then writes its held-out accuracy per
