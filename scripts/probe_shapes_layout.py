@@ -20,27 +20,23 @@ from collections import Counter
 
 import numpy as np
 import torch
-from diffusers import StableDiffusion3Pipeline
 
 from flowalign.worlds.shapes import IMAGE_SIZE, render_scene, sample_specs, to_array
-from pipelines.base import resolve_model_path
-from reward_models.shapes import detect_objects, judge
+from pipelines import load_adapter
+from reward_models.shapes import ShapesVerifier, detect_objects, judge
 
 MULTI_OBJECT = ("two_object", "color_attr", "counting", "position")
 
 
 @torch.no_grad()
-def finish(pipe, z: torch.Tensor, sigma: float, cond, steps: int) -> np.ndarray:
-    """Euler ODE from latents z [B, C, h, w] at σ down to 0; decoded uint8 images [B, H, W, 3]."""
-    embeds, pooled = cond
+def finish(adapter, z: torch.Tensor, sigma: float, specs: list[dict], steps: int) -> torch.Tensor:
+    """Euler ODE from latents z [B, C, h, w] at σ down to 0, conditioned on the specs' captions;
+    decoded images float [B, 3, H, W] in [0, 1]."""
+    cond = adapter.encode([s["prompt"] for s in specs])
     sigmas = torch.linspace(sigma, 0, steps + 1)
     for i in range(steps):
-        v = pipe.transformer(hidden_states=z, timestep=sigmas[i].expand(len(z)) * 1000,
-                             encoder_hidden_states=embeds, pooled_projections=pooled).sample
-        z = z + (sigmas[i + 1] - sigmas[i]) * v
-    vae = pipe.vae
-    images = (vae.decode(z / vae.config.scaling_factor + vae.config.shift_factor).sample / 2 + 0.5).clamp(0, 1)
-    return (images * 255).round().byte().permute(0, 2, 3, 1).numpy()
+        z = z + (sigmas[i + 1] - sigmas[i]) * adapter.predict(z, sigmas[i] * 1000, cond)
+    return adapter.decode(z)
 
 
 def failure_class(objects, spec) -> str:
@@ -63,34 +59,27 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    pipe = StableDiffusion3Pipeline.from_pretrained(resolve_model_path(args.model), text_encoder_3=None,
-                                                    tokenizer_3=None)
+    adapter = load_adapter("sd3", args.model)
+    verifier = ShapesVerifier()
     rng = random.Random(args.seed)
     g = torch.Generator().manual_seed(args.seed)
 
-    def encode(specs):
-        prompts = [s["prompt"] for s in specs]
-        embeds, _, pooled, _ = pipe.encode_prompt(prompts, prompts, None, do_classifier_free_guidance=False,
-                                                  max_sequence_length=1)
-        return embeds, pooled
-
     specs = sample_specs(args.samples, rng, categories=MULTI_OBJECT)
     x = torch.from_numpy(np.stack([to_array(render_scene(s, rng)) for s in specs])).permute(0, 3, 1, 2) / 127.5 - 1
-    vae = pipe.vae
+    vae = adapter.pipe.vae
     with torch.no_grad():
         x0 = (vae.encode(x.float()).latent_dist.mean - vae.config.shift_factor) * vae.config.scaling_factor
     noise = torch.randn(x0.shape, generator=g)
-    cond = encode(specs)
+    prompts = [s["prompt"] for s in specs]
     print("| started from σ | accuracy |\n|---|---|")
     for sigma in (float(s) for s in args.sigmas.split(",")):
-        steps = max(1, round(args.steps * sigma))
-        images = finish(pipe, (1 - sigma) * x0 + sigma * noise, sigma, cond, steps)
-        accuracy = np.mean([judge(detect_objects(im), s, IMAGE_SIZE)[0] for im, s in zip(images, specs)])
-        print(f"| {sigma:g} | {accuracy:.3f} |")
+        images = finish(adapter, (1 - sigma) * x0 + sigma * noise, sigma, specs, max(1, round(args.steps * sigma)))
+        print(f"| {sigma:g} | {verifier(images, prompts, specs)['accuracy'].mean().item():.3f} |")
 
     specs = sample_specs(args.samples, rng, categories=("two_object", "color_attr"))
-    images = finish(pipe, torch.randn(x0.shape, generator=g), 1.0, encode(specs), args.steps)
-    counts = Counter(failure_class(detect_objects(im), s) for im, s in zip(images, specs))
+    images = finish(adapter, torch.randn(x0.shape, generator=g), 1.0, specs, args.steps)
+    arrays = (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    counts = Counter(failure_class(detect_objects(im), s) for im, s in zip(arrays, specs))
     print("from pure noise (two_object, color_attr):", dict(counts.most_common()))
 
 
