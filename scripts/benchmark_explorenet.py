@@ -6,14 +6,23 @@ Runs the Flow-GRPO demo recipe once per ``explore.mode`` (none = isotropic, shap
 magnitude = only a learned per-step scale: the ablation, both), same seed, same epochs. Per epoch:
 the fraction of zero-spread groups and the mean within-group reward std (``adv/`` stats of the
 rollouts each mode drew); held-out accuracy every ``--eval-every`` epochs. Then draws the learned
-noise maps (shape mode: mean |m| over channels) for a few prompts at three steps. Writes
-``<out>/explorenet.json``, ``<out>/explorenet.png``, ``<out>/noise_maps.png`` and a Markdown table.
+noise maps (shape mode: mean |m| over channels) for a few prompts at three steps; the magnitude
+modes' learned per-step scales exp(a_k) are recorded. Writes ``<out>/explorenet.json``,
+``<out>/explorenet.png``, ``<out>/noise_maps.png`` and a Markdown table. ``--set KEY=VALUE``
+overrides the recipe for every mode, e.g. the strict 0/1 accuracy as the reward, under which many
+groups have no spread (the premise of the method):
+
+    python scripts/benchmark_explorenet.py --epochs 40 --set 'reward.weights={accuracy: 1.0}' --out runs/explorenet
+
+On 2 cores, one mode per 1-thread process (each with its own ``--out``) and a ``--report`` that
+merges them: ``--modes none --out runs/ex-none &`` … then ``--report runs/ex-none runs/ex-shape …``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -60,27 +69,44 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--out", default="runs/explorenet")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override applied to every mode (repeatable)")
+    parser.add_argument("--report", nargs="+", metavar="DIR",
+                        help="train nothing: merge these runs' explorenet.json into <out>, plot and print the table")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {}
-    for mode in args.modes.split(","):
+    results, overrides = {}, args.set
+    for run in args.report or []:  # the runs must share the recipe: the same epochs and overrides
+        previous = json.loads((Path(run) / "explorenet.json").read_text())
+        if previous["epochs"] != args.epochs or previous.get("overrides", []) != args.set:
+            raise SystemExit(f"{run} ran {previous['epochs']} epochs with overrides {previous.get('overrides', [])},"
+                             f" not {args.epochs} with {args.set}")
+        results.update(previous["results"])
+    for mode in [] if args.report else args.modes.split(","):
         config = load_config(args.config, [f"output_dir={out / mode}", "tracker=none", "checkpoint_every=0",
                                            f"train.epochs={args.epochs}", f"eval.every={args.eval_every}",
-                                           f"explore.mode={mode}"])
+                                           f"explore.mode={mode}", *overrides])
         trainer = Trainer(config)
         summary = trainer.train()
         results[mode] = {
             "zero_spread_groups": [h["adv/zero_spread_groups"] for h in trainer.history],
             "group_std": [h["adv/group_std"] for h in trainer.history],
             "m_std": [h.get("explore/m_std", 0.0) for h in trainer.history],
+            "step_scales": trainer.explorer.log_magnitude.exp().tolist() if mode in ("magnitude", "both") else None,
             "evals": {k: {"epoch": v["epoch"], "accuracy": v["accuracy"],
                           "accuracy_category_mean": v["accuracy_category_mean"]} for k, v in summary["evals"].items()},
         }
-        (out / "explorenet.json").write_text(json.dumps({"epochs": args.epochs, "results": results}, indent=2))
+        (out / "explorenet.json").write_text(json.dumps({"epochs": args.epochs, "overrides": overrides,
+                                                         "results": results}, indent=2))
         if mode == "shape":
             noise_maps(trainer, out / "noise_maps.png")
+    for run in args.report or []:
+        if (Path(run) / "noise_maps.png").is_file() and Path(run).resolve() != out.resolve():
+            shutil.copy(Path(run) / "noise_maps.png", out / "noise_maps.png")
+    (out / "explorenet.json").write_text(json.dumps({"epochs": args.epochs, "overrides": overrides,
+                                                     "results": results}, indent=2))
     plot(results, out / "explorenet.png")
     print("| noise | zero-spread groups (mean over epochs) | within-group std | accuracy before → after |")
     print("|---|---|---|---|")

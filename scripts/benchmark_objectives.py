@@ -8,7 +8,14 @@ Training time excludes evaluation; GDRO's budget includes generating its offline
 are counted as its samples. Beside accuracy, every evaluation records two quantities no method
 optimises: the within-prompt latent diversity and JPEG compressibility (an image-quality proxy),
 the reward-hacking check. Writes ``<out>/objectives.json``, ``<out>/objectives.png`` and prints
-a Markdown table. Runs one method after another: do not run anything else on the machine.
+a Markdown table, then how many samples and minutes each method needed to reach Flow-GRPO's final
+accuracy (the papers' efficiency ratios). Runs one method after another; on a 2-core machine two
+1-thread runs side by side, each with its own ``--out``, and a ``--report`` that merges them use
+the machine fully and keep the runs comparable (both halves share the cores the same way):
+
+    python scripts/benchmark_objectives.py --minutes 10 --threads 1 --methods flow_grpo,dance_grpo,ddpo --out runs/obj-a &
+    python scripts/benchmark_objectives.py --minutes 10 --threads 1 --methods diffusion_nft,flow_grpo_fast,gdro --out runs/obj-b
+    python scripts/benchmark_objectives.py --minutes 10 --report runs/obj-a runs/obj-b --out runs/objectives
 
 DDPO needs an ε-prediction model, so it trains the UNet variant of the demo model (shapes-sd15,
 ``configs/shapes_ddpo.yaml``): a different base model with its own baseline (its first point). Its
@@ -42,7 +49,7 @@ METHODS = {  # name → (recipe, overrides)
 DEMO_MODEL = "shapes-sd3"  # the model of every recipe but DDPO's
 
 
-def run_method(name: str, minutes: float, eval_every: int, out: Path, gdro_groups: int, threads: int) -> dict:
+def run_method(name: str, minutes: float, eval_every: int, out: Path, gdro_groups: int) -> dict:
     recipe, overrides = METHODS[name]
     common = [f"output_dir={out / name}", "tracker=none", "checkpoint_every=0", "train.epochs=100000",
               f"eval.every={eval_every}", "eval.extra_rewards=[jpeg_compressibility]"]
@@ -96,32 +103,18 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--minutes", type=float, default=8.0, help="wall-clock training budget per method")
-    parser.add_argument("--eval-every", type=int, default=20, help="epochs between evaluations")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {list(METHODS)}")
-    parser.add_argument("--gdro-groups", type=int, default=256, help="offline groups GDRO generates (in budget)")
-    parser.add_argument("--out", default="runs/objectives")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--merge", action="store_true",
-                        help="keep the other methods' results already in <out>/objectives.json (same --minutes)")
-    args = parser.parse_args()
-    import torch
+def reach(points: list[dict], level: float) -> dict | None:
+    """The first evaluation after training began at or above ``level`` (None if none is)."""
+    return next((p for p in points[1:] if p["accuracy"] >= level), None)
 
-    torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = {}
-    if args.merge and (out / "objectives.json").is_file():
-        previous = json.loads((out / "objectives.json").read_text())
-        if previous["minutes"] != args.minutes:
-            raise SystemExit(f"--merge: {out / 'objectives.json'} has a {previous['minutes']}-minute budget, "
-                             f"not {args.minutes}")
-        results = previous["results"]
-    for name in args.methods.split(","):
-        results[name] = run_method(name, args.minutes, args.eval_every, out, args.gdro_groups, args.threads)
-        (out / "objectives.json").write_text(json.dumps({"minutes": args.minutes, "results": results}, indent=2))
+
+def report(results: dict, minutes: float, out: Path) -> None:
+    """Curves, the Markdown table and the papers' efficiency ratios against Flow-GRPO.
+
+    The ratio's level is Flow-GRPO's last held-out accuracy: for every other method on the same
+    model, the samples and minutes of its first evaluation at or above that level, divided into
+    Flow-GRPO's. A first crossing of a noisy curve: read it together with the curves."""
+    (out / "objectives.json").write_text(json.dumps({"minutes": minutes, "results": results}, indent=2))
     plot(results, out / "objectives.png")
     print("| method | model | minutes | samples | accuracy before → after | category mean | diversity "
           "| JPEG (not optimised) |")
@@ -133,6 +126,66 @@ def main() -> None:
               f" | {first['accuracy_category_mean']:.3f} → {last['accuracy_category_mean']:.3f}"
               f" | {first['latent_diversity']:.3f} → {last['latent_diversity']:.3f}"
               f" | {first['jpeg_compressibility']:.3f} → {last['jpeg_compressibility']:.3f} |")
+    if "flow_grpo" not in results:
+        return
+    base = results["flow_grpo"]["points"]
+    level = base[-1]["accuracy"]
+    if level <= base[0]["accuracy"]:
+        print(f"\nFlow-GRPO ended at {level:.3f}, not above its baseline {base[0]['accuracy']:.3f}: no ratio")
+        return
+    ref = reach(base, level)
+    print(f"\nTo reach Flow-GRPO's final accuracy {level:.3f} (from {base[0]['accuracy']:.3f}); "
+          f"Flow-GRPO: {ref['samples']} samples, {ref['minutes']:.1f} min\n")
+    print("| method | samples | minutes | fewer samples than Flow-GRPO | fewer minutes than Flow-GRPO |")
+    print("|---|---|---|---|---|")
+    for name, r in results.items():
+        if name == "flow_grpo" or r.get("model", DEMO_MODEL) != DEMO_MODEL:
+            continue
+        hit = reach(r["points"], level)
+        if hit is None:
+            print(f"| {name} | not reached | | | |")
+            continue
+        samples = f"{ref['samples'] / hit['samples']:.1f}×" if hit["samples"] else "–"
+        print(f"| {name} | {hit['samples']} | {hit['minutes']:.1f} | {samples}"
+              f" | {ref['minutes'] / max(hit['minutes'], 1e-9):.1f}× |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=8.0, help="wall-clock training budget per method")
+    parser.add_argument("--eval-every", type=int, default=20, help="epochs between evaluations")
+    parser.add_argument("--gdro-eval-every", type=int, default=60,
+                        help="GDRO's epochs between evaluations (its epochs generate nothing, so they are short)")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {list(METHODS)}")
+    parser.add_argument("--gdro-groups", type=int, default=256, help="offline groups GDRO generates (in budget)")
+    parser.add_argument("--out", default="runs/objectives")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other methods' results already in <out>/objectives.json (same --minutes)")
+    parser.add_argument("--report", nargs="+", metavar="DIR",
+                        help="train nothing: merge these runs' objectives.json (same --minutes) into <out>, "
+                             "then plot and print the tables")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for previous_dir in args.report or ([out] if args.merge else []):
+        path = Path(previous_dir) / "objectives.json"
+        if not path.is_file():
+            continue
+        previous = json.loads(path.read_text())
+        if previous["minutes"] != args.minutes:
+            raise SystemExit(f"{path} has a {previous['minutes']}-minute budget, not {args.minutes}")
+        results.update(previous["results"])
+    if not args.report:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        for name in args.methods.split(","):
+            eval_every = args.gdro_eval_every if name == "gdro" else args.eval_every
+            results[name] = run_method(name, args.minutes, eval_every, out, args.gdro_groups)
+            (out / "objectives.json").write_text(json.dumps({"minutes": args.minutes, "results": results}, indent=2))
+    report(results, args.minutes, out)
 
 
 if __name__ == "__main__":

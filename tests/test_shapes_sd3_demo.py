@@ -35,6 +35,11 @@ def test_baseline_was_measured_with_the_demo_configs_evaluation():
     assert 0 <= baseline["accuracy"] <= 1
 
 
-def test_pretraining_settings_are_recorded():
+def test_pretraining_record_describes_the_shipped_transformer():
+    """pretraining.json must be the record of these weights: a retrained model with a stale record
+    (another depth or width) fails here."""
     settings = json.loads((FOLDER / "pretraining.json").read_text())
-    assert settings["flow_steps"] > 0 and settings["minutes"] > 0
+    transformer = json.loads((FOLDER / "transformer" / "config.json").read_text())
+    assert settings["family"] == "sd3" and settings["flow_steps"] > 0 and settings["minutes"] > 0
+    assert (transformer["num_layers"], transformer["num_attention_heads"], transformer["attention_head_dim"]) == (
+        settings["layers"], settings["heads"], settings["head_dim"])
