@@ -84,23 +84,27 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.4))
     for name, r in results.items():
         pts = r["points"]
         model = r.get("model", DEMO_MODEL)
         style = {"marker": "o", "label": name if model == DEMO_MODEL else f"{name} ({model}: own baseline)",
                  "linestyle": "-" if model == DEMO_MODEL else "--"}
-        axes[0].plot([p["minutes"] for p in pts], [p["accuracy"] for p in pts], **style)
+        minutes = [p["minutes"] for p in pts]
+        axes[0].plot(minutes, [p["accuracy"] for p in pts], **style)
         axes[1].plot([p["samples"] for p in pts], [p["accuracy"] for p in pts], **style)
-        axes[2].plot([p["minutes"] for p in pts], [p["latent_diversity"] for p in pts], **style)
-    for ax, xlabel, ylabel in zip(axes, ("training minutes (2 CPU cores)", "generated samples", "training minutes"),
-                                  ("held-out accuracy (ODE)", "held-out accuracy (ODE)", "within-prompt diversity")):
+        axes[2].plot(minutes, [p["latent_diversity"] for p in pts], **style)
+        axes[3].plot(minutes, [p["jpeg_compressibility"] for p in pts], **style)
+    labels = (("training minutes", "held-out accuracy (ODE)"), ("generated samples", "held-out accuracy (ODE)"),
+              ("training minutes", "within-prompt latent diversity (not optimised)"),
+              ("training minutes", "JPEG compressibility, −kB (not optimised)"))
+    for ax, (xlabel, ylabel) in zip(axes, labels):
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(results), frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=100)
 
 
 def reach(points: list[dict], level: float) -> dict | None:
