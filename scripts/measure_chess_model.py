@@ -3,8 +3,8 @@
     OMP_NUM_THREADS=1 python scripts/measure_chess_model.py --out pipelines/demo_models/chess-md/baseline.json
 
 For each request in ``<model>/split.json`` (written by ``scripts/pretrain_chess.py``), sample
-``--per-request`` boards (seeded: request k uses seed ``--seed`` + k) and report, per request and
-over all of them:
+``--per-request`` boards (seeded: request k of R uses seed ``--seed``·R + k, so different
+``--seed`` values draw disjoint random streams) and report, per request and over all of them:
 
 - ``legal``: fraction passing ``reward_models.chess.legality``; ``move_legal``: fraction whose own
   best-move tokens are a legal move of their (legal) board (the auxiliary task's sanity);
@@ -105,7 +105,7 @@ def main() -> None:
     for k, request in enumerate(requests):
         out = pipe([request] * args.per_request, num_steps=args.num_steps, schedule=args.schedule,
                    temperature=args.temperature, guidance_scale=args.guidance_scale,
-                   generator=torch.Generator().manual_seed(args.seed + k))
+                   generator=torch.Generator().manual_seed(args.seed * len(requests) + k))
         rows = [{"legal": float(is_legal(fen)), "move_legal": float(move_is_legal(fen, move))}
                 for fen, move in zip(out.fens, out.moves)]
         if reward is not None:
