@@ -176,6 +176,8 @@ def main() -> None:
     for previous_dir in args.report or ([out] if args.merge else []):
         path = Path(previous_dir) / "objectives.json"
         if not path.is_file():
+            if args.report:
+                raise SystemExit(f"--report: {path} does not exist")
             continue
         previous = json.loads(path.read_text())
         if previous["minutes"] != args.minutes:
