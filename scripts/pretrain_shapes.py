@@ -59,12 +59,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from flowalign.worlds.shapes import render_scene, sample_specs, to_array, vocabulary
+from flowalign.worlds.shapes import render_batch, sample_specs, vocabulary
 from pipelines.base import resolve_model_path
 from pipelines.tiny import SD_BETAS, TinySD3Sizes, build_tiny_sd3_pipeline
 
@@ -79,8 +78,7 @@ SD15_UNET = dict(block_out_channels=(32, 64, 64), layers_per_block=1, attention_
 def scenes(n: int, rng: random.Random) -> tuple[torch.Tensor, list[str]]:
     """n random scenes: images float [n, 3, 32, 32] in [-1, 1] and their captions."""
     specs = sample_specs(n, rng)
-    images = np.stack([to_array(render_scene(s, rng)) for s in specs])
-    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1, [s["prompt"] for s in specs]
+    return render_batch(specs, rng), [s["prompt"] for s in specs]
 
 
 def train_vae(vae, steps: int, batch: int, rng: random.Random, lr: float = 1e-3) -> None:
@@ -104,8 +102,7 @@ def reconstruction_accuracy(vae, rng: random.Random, n: int = 256) -> float:
     from reward_models.shapes import ShapesVerifier
 
     specs = sample_specs(n, rng)
-    x = torch.from_numpy(np.stack([to_array(render_scene(s, rng)) for s in specs])).permute(0, 3, 1, 2) / 127.5 - 1
-    recon = vae.decode(vae.encode(x).latent_dist.mode()).sample
+    recon = vae.decode(vae.encode(render_batch(specs, rng)).latent_dist.mode()).sample
     return ShapesVerifier()(recon / 2 + 0.5, [s["prompt"] for s in specs], specs)["accuracy"].mean().item()
 
 

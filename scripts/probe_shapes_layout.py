@@ -18,10 +18,9 @@ import argparse
 import random
 from collections import Counter
 
-import numpy as np
 import torch
 
-from flowalign.worlds.shapes import IMAGE_SIZE, render_scene, sample_specs, to_array
+from flowalign.worlds.shapes import IMAGE_SIZE, render_batch, sample_specs
 from pipelines import load_adapter
 from reward_models.shapes import ShapesVerifier, detect_objects, judge
 
@@ -65,10 +64,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(args.seed)
 
     specs = sample_specs(args.samples, rng, categories=MULTI_OBJECT)
-    x = torch.from_numpy(np.stack([to_array(render_scene(s, rng)) for s in specs])).permute(0, 3, 1, 2) / 127.5 - 1
     vae = adapter.pipe.vae
     with torch.no_grad():
-        x0 = (vae.encode(x.float()).latent_dist.mean - vae.config.shift_factor) * vae.config.scaling_factor
+        x0 = (vae.encode(render_batch(specs, rng)).latent_dist.mean - vae.config.shift_factor) * vae.config.scaling_factor
     noise = torch.randn(x0.shape, generator=g)
     prompts = [s["prompt"] for s in specs]
     print("| started from σ | accuracy |\n|---|---|")

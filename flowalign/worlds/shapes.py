@@ -188,3 +188,11 @@ def sample_specs(n: int, rng: random.Random, split: str = "all", categories=CATE
 def to_array(image: Image.Image) -> np.ndarray:
     """PIL image → uint8 array [H, W, 3]."""
     return np.asarray(image.convert("RGB"), dtype=np.uint8)
+
+
+def render_batch(specs: list[dict], rng: random.Random):
+    """The specs' scenes as a VAE input: float tensor [n, 3, H, W] in [-1, 1]."""
+    import torch
+
+    images = np.stack([to_array(render_scene(s, rng)) for s in specs])
+    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
