@@ -120,7 +120,7 @@ def encode_dataset(vae, n: int, rng: random.Random, batch: int = 256):
 def _optimizer(params, steps: int, lr: float):
     """AdamW with a linear warm-up and a cosine decay to 10 % of lr."""
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    warmup = min(200, steps // 10)
+    warmup = max(1, min(200, steps // 10))  # runs under 10 steps (smoke tests) have no warm-up
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps))))
     return opt, sched
