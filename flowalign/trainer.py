@@ -208,6 +208,11 @@ class Trainer:
         self.adapter = load_adapter(m.family, m.path, dtype=m.dtype, device=acc.device, height=m.height,
                                     width=m.width, num_frames=m.num_frames, attention=m.attention, options=m.kwargs)
         check_method_family(config.method, m.family, getattr(self.adapter, "prediction", "velocity"))
+        if getattr(self.adapter, "ode_only", False) and (config.method != "diffusion_nft" or config.sampling.eta > 0):
+            raise ConfigError(f"config: this {m.family} model samples video-first (its pipeline's sampling_order), "
+                              f"which only DiffusionNFT with ODE rollouts trains (sampling.eta: 0); got method "
+                              f"{config.method!r}, sampling.eta {config.sampling.eta}: use method: diffusion_nft "
+                              f"with sampling.eta=0, or a model with sampling_order joint")
         self.encode = PromptEmbeddingCache(self.adapter, m.prompt_cache_size, offload=m.offload_text_encoders) \
             if m.prompt_cache_size else self.adapter.encode
         if m.lora_rank > 0:
@@ -828,20 +833,6 @@ class Trainer:
             idx = torch.tensor([pairs[j][1] for j in rows])
             gram[b, idx[:, None], idx[None, :]] = interaction_gram(flat[0, rows], flat[1, rows]).cpu()
         return gram
-        for b in range(n_branch):
-            routed = [k for k in range(n_reward) if self.router.priors[b, k] > 0]
-            grads = []
-            for half in halves:
-                rows = []
-                for k in routed:
-                    objective = (centred[half, k] * contrast[half, b]).mean()
-                    g = torch.autograd.grad(objective, self.params, retain_graph=True, allow_unused=True)
-                    rows.append(torch.cat([(gi if gi is not None else torch.zeros_like(p)).flatten().float()
-                                           for gi, p in zip(g, self.params)]))
-                grads.append(torch.stack(rows))
-            idx = torch.tensor(routed)
-            gram[b, idx[:, None], idx[None, :]] = interaction_gram(*grads).cpu()
-        return gram
 
     def _end_routing_epoch(self, batch: EpochBatch) -> dict:
         """Fold this epoch's interactions, rewards and influences (over all processes) into the router."""
@@ -903,10 +894,14 @@ class Trainer:
                 torch.cat(noise).repeat_interleave(share, dim=0).to(device))
 
     def _noised(self, sub: Trajectory, step: torch.Tensor, eps: torch.Tensor):
-        """x_t = (1 − σ)·x0 + σ·ε of each sample's final latent: (x0, x_t, σ [b], timestep [b])."""
+        """x_t = (1 − σ)·x0 + σ·ε of each sample's final latent: (x0, x_t, σ [b], timestep [b]).
+        An adapter with ``forward_noised`` (per-stream levels: av_demo's video-first order) gives
+        (x0 as the loss compares it, x_t, σ) itself."""
         device = sub.samples.device
         sigma, timestep = sub.sigmas.to(device)[step], sub.timesteps.to(device)[step]
         x0 = sub.samples
+        if hasattr(self.adapter, "forward_noised"):
+            return (*self.adapter.forward_noised(x0, eps, sigma), timestep)
         s = sigma.view(-1, *([1] * (x0.ndim - 1)))
         return x0, (1 - s) * x0 + s * eps, sigma, timestep
 

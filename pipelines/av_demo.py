@@ -17,6 +17,17 @@ reproduces ``pipe(...)`` from the same initial noise. ``decode`` returns
 
 CFG (guidance_scale g > 1) is uncond + g·(cond − uncond) against the empty prompt, batched as
 [negative, prompt]; pre-training drops 10 % of captions so that branch is trained.
+
+**Sampling order** (``AVPipeline(sampling_order=…)``, saved in ``model_index.json``): ``"joint"``
+denoises both streams together at one σ (the scheduler's steps). ``"video_first"`` samples
+p(video | text) with the audio held at pure noise, then p(audio | video, text) with the video
+finished: the beep of a wall touch is decided at σ_a ≳ 0.95, where a jointly denoised video is
+still noise too, so only an audio that waits for its video can follow it (docs/audio_video.md).
+Both phases are one Euler flow in a schedule time τ from 2 to 0 (``video_first_levels``):
+τ ∈ (1, 2] moves the video (σ_v = τ − 1, σ_a = 1), τ ∈ [0, 1] the audio (σ_v = 0, σ_a = τ); the
+velocity of the stream that waits is 0. ``num_inference_steps`` counts model evaluations, half
+per phase; the RL rollouts run the same flow through the adapter (ODE only: a flow SDE's noise
+schedule is defined for σ ≤ 1).
 """
 
 from __future__ import annotations
@@ -38,6 +49,19 @@ from pipelines.joint import BRANCHES, AudioVideoSamples, JointLayout
 from pipelines.tiny import _clip_config, build_clip_tokenizer
 
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out")  # every attention projection, both streams and cross-modal
+SAMPLING_ORDERS = ("joint", "video_first")
+
+
+def video_first_schedule(sigmas: torch.Tensor) -> torch.Tensor:
+    """One phase's σ's [N + 1] (1 → 0) → the video-first schedule time τ [2N + 1] (2 → 0): the
+    video's σ's shifted by 1, then the audio's (module docstring)."""
+    return torch.cat([1 + sigmas, sigmas[1:]])
+
+
+def video_first_levels(tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Schedule time τ [B] → (σ_video [B], σ_audio [B], bool [B]: the video is the stream that moves)."""
+    tau = tau.float()
+    return (tau - 1).clamp(0, 1), tau.clamp(0, 1), tau > 1
 
 
 @dataclass
@@ -65,9 +89,20 @@ class AVPipeline(DiffusionPipeline):
     model: AVDiffusionModel
 
     def __init__(self, model: AVDiffusionModel, text_encoder: CLIPTextModel, tokenizer: CLIPTokenizer,
-                 scheduler: FlowMatchEulerDiscreteScheduler):
+                 scheduler: FlowMatchEulerDiscreteScheduler, sampling_order: str = "joint"):
         super().__init__()
         self.register_modules(model=model, text_encoder=text_encoder, tokenizer=tokenizer, scheduler=scheduler)
+        self.set_sampling_order(sampling_order)
+
+    def set_sampling_order(self, order: str) -> None:
+        """"joint" or "video_first" (module docstring); recorded in the config, so ``save_pretrained`` keeps it."""
+        if order not in SAMPLING_ORDERS:
+            raise ValueError(f"sampling_order must be one of {SAMPLING_ORDERS}, got {order!r}")
+        self.register_to_config(sampling_order=order)
+
+    @property
+    def sampling_order(self) -> str:
+        return self.config.sampling_order
 
     @property
     def joint_layout(self) -> JointLayout:
@@ -95,10 +130,22 @@ class AVPipeline(DiffusionPipeline):
 
     def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor, pooled: torch.Tensor,
                  model: nn.Module | None = None) -> torch.Tensor:
-        """The model's velocity in the joint layout: latents [B, D], timestep [B] → [B, D]."""
+        """The model's velocity in the joint layout: latents [B, D], timestep [B] (or [B, 2] per
+        stream: 1000·(σ_video, σ_audio)) → [B, D]."""
         video, audio = self.joint_layout.unpack(latents)
         v_video, v_audio = (model or self.model)(video, audio, timestep, text, pooled)
         return self.joint_layout.pack(v_video, v_audio)
+
+    def video_first_velocity(self, latents: torch.Tensor, tau: torch.Tensor, text: torch.Tensor,
+                             pooled: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor:
+        """dx/dτ of the video-first flow at schedule time τ [B]: the moving stream's velocity, 0 on
+        the waiting one. latents [B, D] → [B, D]."""
+        sigma_video, sigma_audio, video_moves = video_first_levels(tau)
+        v = self.velocity(latents, 1000 * torch.stack([sigma_video, sigma_audio], 1).to(latents.device), text,
+                          pooled, model)
+        video_mask, audio_mask = self.joint_layout.masks(latents.device)
+        moving = torch.where(video_moves.to(latents.device)[:, None], video_mask[None], audio_mask[None])
+        return v * moving
 
     def decode_latents(self, latents: torch.Tensor) -> AudioVideoSamples:
         """Joint latents [B, D] → ``AudioVideoSamples``: video (x + 1) / 2 clamped to [0, 1]
@@ -124,14 +171,30 @@ class AVPipeline(DiffusionPipeline):
             latents = torch.randn((b, self.joint_layout.numel), generator=generator,
                                   device=generator.device if generator is not None else "cpu", dtype=torch.float32)
         latents = latents.to(device, torch.float32)
-        self.scheduler.set_timesteps(num_inference_steps, device=device)
-        for t in self.progress_bar(self.scheduler.timesteps):
-            x = torch.cat([latents, latents]) if guidance_scale > 1.0 else latents
-            v = self.velocity(x.to(self.model.dtype), t.expand(len(x)), text, pooled)
-            if guidance_scale > 1.0:
-                uncond, cond = v.chunk(2)
-                v = uncond + guidance_scale * (cond - uncond)
-            latents = self.scheduler.step(v, t, latents, return_dict=False)[0]
+
+        def guided(v: torch.Tensor) -> torch.Tensor:
+            if guidance_scale <= 1.0:
+                return v
+            uncond, cond = v.chunk(2)
+            return uncond + guidance_scale * (cond - uncond)
+
+        doubled = (lambda x: torch.cat([x, x])) if guidance_scale > 1.0 else (lambda x: x)  # noqa: E731
+        if self.sampling_order == "video_first":
+            if num_inference_steps % 2:
+                raise ValueError(f"video_first sampling splits its steps between two phases: "
+                                 f"num_inference_steps must be even, got {num_inference_steps}")
+            self.scheduler.set_timesteps(num_inference_steps // 2, device=device)
+            taus = video_first_schedule(self.scheduler.sigmas.float())
+            for tau, tau_next in self.progress_bar(list(zip(taus[:-1], taus[1:]))):
+                x = doubled(latents)
+                v = guided(self.video_first_velocity(x.to(self.model.dtype), tau.expand(len(x)), text, pooled))
+                latents = latents + (tau_next - tau) * v.float()
+        else:
+            self.scheduler.set_timesteps(num_inference_steps, device=device)
+            for t in self.progress_bar(self.scheduler.timesteps):
+                x = doubled(latents)
+                v = guided(self.velocity(x.to(self.model.dtype), t.expand(len(x)), text, pooled))
+                latents = self.scheduler.step(v, t, latents, return_dict=False)[0]
         samples = self.decode_latents(latents)
         out = AVPipelineOutput(samples.video, samples.audio, latents, samples.sample_rate, samples.fps)
         return out if return_dict else (out.video, out.audio)
@@ -243,18 +306,58 @@ class AVDemoAdapter(DenoiserAdapter):
         """(D,): one sample's joint latent (``joint_layout.numel``)."""
         return (self.joint_layout.numel,)
 
+    @property
+    def sampling_order(self) -> str:
+        """The pipeline's "joint" or "video_first" (``AVPipeline``; saved with the model)."""
+        return self.pipe.sampling_order
+
+    @property
+    def ode_only(self) -> bool:
+        """Video-first schedules run τ from 2 to 0, where the flow SDEs' noise schedules are undefined."""
+        return self.sampling_order == "video_first"
+
     def schedule(self, num_steps: int) -> Schedule:
-        """The σ's and timesteps the pipeline's scheduler sets for ``num_steps``."""
-        return self.flow_schedule(num_steps)
+        """The σ's and timesteps the pipeline's scheduler sets for ``num_steps``; video-first: the
+        schedule time τ [num_steps + 1] from 2 to 0 and timesteps 1000·τ (``video_first_schedule``,
+        half the steps per phase, as ``AVPipeline`` samples)."""
+        if self.sampling_order == "joint":
+            return self.flow_schedule(num_steps)
+        if num_steps % 2:
+            raise ValueError(f"video_first sampling splits its steps between two phases: sampling.num_steps "
+                             f"must be even, got {num_steps}")
+        taus = video_first_schedule(self.flow_schedule(num_steps // 2).sigmas)
+        return Schedule(sigmas=taus, timesteps=1000 * taus[:-1])
 
     def predict(self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance_scale: float = 1.0,
                 model: nn.Module | None = None) -> torch.Tensor:
-        """Velocity [B, D] at joint latents x [B, D], timestep t (scalar or [B]); CFG when g > 1."""
+        """Velocity [B, D] at joint latents x [B, D], timestep t (scalar or [B]); CFG when g > 1.
+        Video-first: t = 1000·τ and the velocity is dx/dτ (the waiting stream's is 0)."""
         model = self.denoiser if model is None else model
         x, tensors = self.guidance_inputs(x, cond, guidance_scale)
-        v = self.pipe.velocity(x.to(self.model.dtype), self.batch_timesteps(t, x.shape[0]), tensors["text"],
-                               tensors["pooled"], model=model)
+        t = self.batch_timesteps(t, x.shape[0])
+        if self.sampling_order == "video_first":
+            v = self.pipe.video_first_velocity(x.to(self.model.dtype), t / 1000, tensors["text"], tensors["pooled"],
+                                               model=model)
+        else:
+            v = self.pipe.velocity(x.to(self.model.dtype), t, tensors["text"], tensors["pooled"], model=model)
         return self.guide(v.float(), guidance_scale)
+
+    def forward_noised(self, x0: torch.Tensor, noise: torch.Tensor,
+                       sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A forward-process draw at schedule level σ [B] (the schedule's σ, or τ when video-first)
+        of samples x0 [B, D] with noise [B, D] → (the x0 the loss compares x̂0 = x_t − σ_m·v with,
+        x_t, σ_m [B]). Joint: (x0, (1 − σ)·x0 + σ·ε, σ). Video-first: each stream at its own level
+        (``video_first_levels``), σ_m the moving stream's; the waiting stream's x0 is replaced by
+        its x_t (its velocity is 0, so x̂0 = x_t there), so the loss trains the moving stream only."""
+        s = sigma.float().to(x0.device)
+        if self.sampling_order == "joint":
+            return x0, (1 - s[:, None]) * x0 + s[:, None] * noise, s
+        sigma_video, sigma_audio, video_moves = video_first_levels(s)
+        video_mask, audio_mask = self.joint_layout.masks(x0.device)
+        levels = torch.where(video_mask[None], sigma_video[:, None], sigma_audio[:, None])
+        x_t = (1 - levels) * x0 + levels * noise
+        moving = torch.where(video_moves[:, None], video_mask[None], audio_mask[None])
+        return torch.where(moving, x0, x_t), x_t, torch.where(video_moves, sigma_video, sigma_audio)
 
     # -- what the routing objective reads ----------------------------------------------------
     def branch_masks(self) -> torch.Tensor:

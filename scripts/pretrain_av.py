@@ -49,27 +49,25 @@ def shifted(sigma: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * sigma / (1 + (shift - 1) * sigma)
 
 
-def flow_loss(pipe: AVPipeline, specs: list[dict], rng: random.Random, g: torch.Generator,
-              drop: float = 0.1, independent: float = 0.0, conditional: float = 0.0,
-              shift: float = 1.0) -> torch.Tensor:
-    """Rectified-flow loss on fresh clips of ``specs``: mean over video elements + mean over audio
-    elements. σ is logit-normal, shifted by ``shift``, and shared by both streams, except for
+def noise_levels(b: int, g: torch.Generator, shift: float = 1.0, independent: float = 0.0,
+                 conditional: float = 0.0, video_first: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each clip's noise levels (σ_video, σ_audio) [B, 2] and which streams' losses it trains
+    [B, 2] (1 or 0). σ is logit-normal, shifted by ``shift``, and shared by both streams, except for
 
     * a fraction ``independent`` of the clips, whose streams each draw σ uniformly from [0, 1]
       (UniDiffuser's independent per-modality timesteps; the model reads both levels);
     * a fraction ``conditional``, in which one stream (video or audio, even odds) is clean
       (σ = 0: the condition) and the other draws σ from U(0, 1) shifted by 3 toward noise, where
-      the condition decides the most: p(audio | video) and p(video | audio).
+      the condition decides the most: p(audio | video) and p(video | audio);
+    * a fraction ``video_first``, the two phases of video-first sampling (``pipelines/av_demo.py``),
+      even odds: the video at the shared σ with the audio pure noise (σ_a = 1), training the
+      video's loss only (p(video | text)), or the video clean and the audio at σ from U(0, 1)
+      shifted by 3, training the audio's loss only (p(audio | video, text)).
 
     Why: a beep is so loud that its own noisy samples reveal it up to σ ≈ 0.95, so with a shared
     σ the audio is predictable from the audio alone wherever logit-normal σ puts its mass, and
     the loss never rewards reading the video; a model trained so draws its beeps without looking
     at its ball (docs/audio_video.md)."""
-    video, audio, _ = clip_batch(specs, rng)
-    x0 = pipe.pack_clip(video, audio)
-    b = len(specs)
-    prompts = [s["prompt"] if rng.random() > drop else "" for s in specs]
-    text, pooled = pipe.encode_prompt(prompts)
     sigma = shifted(torch.sigmoid(torch.randn(b, 1, generator=g)), shift).expand(b, 2).clone()  # (video, audio)
     kind = torch.rand(b, generator=g)
     own = kind < independent
@@ -79,13 +77,37 @@ def flow_loss(pipe: AVPipeline, specs: list[dict], rng: random.Random, g: torch.
     audio_given_video = torch.rand(b, generator=g) < 0.5
     sigma[cond] = torch.stack([torch.where(audio_given_video, 0.0, generated),
                                torch.where(audio_given_video, generated, 0.0)], 1)[cond]
+    trains = torch.ones(b, 2)
+    if video_first > 0:  # (drawn only then: the other modes' random streams stay as they were)
+        phased = (kind >= independent + conditional) & (kind < independent + conditional + video_first)
+        video_phase = torch.rand(b, generator=g) < 0.5
+        first, second = phased & video_phase, phased & ~video_phase
+        sigma[first, 1] = 1.0
+        sigma[second] = torch.stack([torch.zeros(b), generated], 1)[second]
+        trains[first, 1] = 0.0
+        trains[second, 0] = 0.0
+    return sigma, trains
+
+
+def flow_loss(pipe: AVPipeline, specs: list[dict], rng: random.Random, g: torch.Generator,
+              drop: float = 0.1, independent: float = 0.0, conditional: float = 0.0,
+              shift: float = 1.0, video_first: float = 0.0) -> torch.Tensor:
+    """Rectified-flow loss on fresh clips of ``specs`` at the levels of ``noise_levels``: per stream,
+    the mean squared error over its elements, averaged over the clips that train it; the two
+    streams' losses summed."""
+    video, audio, _ = clip_batch(specs, rng)
+    x0 = pipe.pack_clip(video, audio)
+    b = len(specs)
+    prompts = [s["prompt"] if rng.random() > drop else "" for s in specs]
+    text, pooled = pipe.encode_prompt(prompts)
+    sigma, trains = noise_levels(b, g, shift, independent, conditional, video_first)
     masks = pipe.joint_layout.masks()
     sigma_el = torch.where(masks[1], sigma[:, 1:], sigma[:, :1])  # [B, D]: each element its stream's σ
     noise = torch.randn(x0.shape, generator=g)
     xt = (1 - sigma_el) * x0 + sigma_el * noise
     v = pipe.velocity(xt, sigma * 1000, text, pooled)
     err = (v - (noise - x0)) ** 2
-    return sum(err[:, m].mean() for m in masks)
+    return sum((w * err[:, m].mean(1)).sum() / w.sum().clamp(min=1.0) for m, w in zip(masks, trains.T))
 
 
 @torch.no_grad()
@@ -136,7 +158,7 @@ def video_informs_audio(pipe: AVPipeline, sigma_audio: float = 0.98) -> float:
 
 def train(pipe: AVPipeline, steps: int, batch: int, lr: float, ema_decay: float, rng: random.Random,
           max_minutes: float, eval_every: int, independent: float = 0.0, conditional: float = 0.0,
-          shift: float = 1.0) -> tuple[AVPipeline, int]:
+          shift: float = 1.0, video_first: float = 0.0) -> tuple[AVPipeline, int]:
     """AdamW with warm-up and cosine decay to 10 %; returns (the EMA pipeline, steps taken)."""
     params = [p for m in (pipe.model, pipe.text_encoder) for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
@@ -152,7 +174,7 @@ def train(pipe: AVPipeline, steps: int, batch: int, lr: float, ema_decay: float,
     bar = tqdm(range(steps), desc="flow", mininterval=30)
     for step in bar:
         loss = flow_loss(pipe, sample_specs(batch, rng), rng, g, independent=independent,
-                         conditional=conditional, shift=shift)
+                         conditional=conditional, shift=shift, video_first=video_first)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -200,6 +222,11 @@ def main() -> None:
                              "also switches a model loaded with --init")
     parser.add_argument("--conditional", type=float, default=0.0,
                         help="fraction of clips with one stream clean and the other noised (flow_loss)")
+    parser.add_argument("--video-first", type=float, default=0.0,
+                        help="fraction of clips in the two phases of video-first sampling (flow_loss); with "
+                             "--sampling-order video_first the saved pipeline samples that way")
+    parser.add_argument("--sampling-order", choices=["joint", "video_first"], default=None,
+                        help="the saved pipeline's sampling order (default: the --init model's, else joint)")
     parser.add_argument("--sigma-shift", type=float, default=1.0,
                         help="shift of the shared logit-normal σ toward noise (SD3's shift; 1: none)")
     parser.add_argument("--batch", type=int, default=32)
@@ -227,8 +254,10 @@ def main() -> None:
         init_minutes = done.get("total_minutes", done["minutes"])
     if args.cross_modal_window is not None:
         pipe.model.set_cross_modal_window(args.cross_modal_window)
+    if args.sampling_order is not None:
+        pipe.set_sampling_order(args.sampling_order)
     ema, taken = train(pipe, args.steps, args.batch, args.lr, args.ema, rng, args.max_minutes, args.eval_every,
-                       args.independent_noise, args.conditional, args.sigma_shift)
+                       args.independent_noise, args.conditional, args.sigma_shift, args.video_first)
     print(f"final eval (EMA): {quick_eval(ema, n_seeds=4)}", flush=True)
     ema.save_pretrained(out)
     minutes = (time.time() - start) / 60
