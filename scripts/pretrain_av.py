@@ -248,7 +248,7 @@ def main() -> None:
     start = time.time()
     pipe = AVPipeline.from_pretrained(args.init) if args.init else build_tiny_av_pipeline(vocabulary(), DEMO_SIZES,
                                                                                            seed=args.seed)
-    init_minutes = 0.0
+    init_minutes, done = 0.0, None
     if args.init:
         done = json.loads((Path(args.init) / "pretraining.json").read_text())
         init_minutes = done.get("total_minutes", done["minutes"])
@@ -263,7 +263,7 @@ def main() -> None:
     minutes = (time.time() - start) / 60
     (out / "pretraining.json").write_text(json.dumps({**vars(args), "steps_taken": taken, "minutes": minutes,
                                                       "total_minutes": init_minutes + minutes,
-                                                      "sizes": vars(DEMO_SIZES)}, indent=2))
+                                                      "sizes": vars(DEMO_SIZES), "init": done}, indent=2))
     print(f"saved to {out} after {minutes:.1f} min", flush=True)
     if args.baseline:
         print(json.dumps(measure_baseline(out), indent=2))

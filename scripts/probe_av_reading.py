@@ -4,10 +4,15 @@
     python scripts/probe_av_reading.py losses pipelines/demo_models/av-demo
     OMP_NUM_THREADS=2 python scripts/probe_av_reading.py conditional pipelines/demo_models/av-demo \\
         --out runs/av-stage1 --minutes 5
+    python scripts/probe_av_reading.py coupling pipelines/demo_models/av-demo [--order joint]
 
 ``losses``: the audio flow loss with a clean video, the clip's own vs another clip's of the same
 prompt, at several audio noise levels (``pretrain_av.audio_loss_own_vs_other_video``); equal
 losses mean the audio ignores the video.
+
+``coupling``: ``pretrain_av.quick_eval`` of the model over the test prompts × ``--seeds`` (16 ODE
+steps): every reward component, ``coupling`` (sync minus sync against another seed's audio of the
+same prompt) and ``video_informs_audio``, sampled in the model's own order or ``--order``'s.
 
 ``conditional``: trains only the case where the video alone can tell when to beep (clean video,
 audio at σ_a ~ U(``--sigma-min``, 1), audio loss only, the model's weights, constant lr, no EMA),
@@ -28,7 +33,7 @@ import torch
 
 from flowalign.worlds.audio_video import clip_batch, sample_specs
 from pipelines.av_demo import AVPipeline
-from pretrain_av import audio_loss_own_vs_other_video, video_informs_audio
+from pretrain_av import audio_loss_own_vs_other_video, quick_eval, video_informs_audio
 
 
 def train_conditional(pipe: AVPipeline, minutes: float, lr: float, sigma_min: float, batch: int, seed: int) -> int:
@@ -60,7 +65,7 @@ def train_conditional(pipe: AVPipeline, minutes: float, lr: float, sigma_min: fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("probe", choices=["losses", "conditional"])
+    parser.add_argument("probe", choices=["losses", "coupling", "conditional"])
     parser.add_argument("model", help="a saved AVPipeline folder")
     parser.add_argument("--sigmas", default="0.3,0.6,0.9,0.95,0.98,1.0", help="losses: audio noise levels")
     parser.add_argument("--out", help="conditional: where to save the trained model")
@@ -69,6 +74,9 @@ def main() -> None:
     parser.add_argument("--sigma-min", type=float, default=0.8)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=8, help="coupling: seeds per test prompt")
+    parser.add_argument("--order", choices=["joint", "video_first"], default=None,
+                        help="coupling: sample in this order instead of the model's own")
     args = parser.parse_args()
     pipe = AVPipeline.from_pretrained(args.model)
     if args.probe == "losses":
@@ -76,14 +84,24 @@ def main() -> None:
             own, other = audio_loss_own_vs_other_video(pipe, sigma)
             print(f"σ_a {sigma}: audio loss with its own video {own:.4f}, with another clip's {other:.4f}")
         return
+    if args.probe == "coupling":
+        pipe.set_progress_bar_config(disable=True)
+        if args.order:
+            pipe.set_sampling_order(args.order)
+        print(json.dumps({"model": args.model, "order": pipe.sampling_order, **quick_eval(pipe, n_seeds=args.seeds)}))
+        return
     if not args.out:
         parser.error("conditional needs --out")
     pipe.model.set_cross_modal_window(0)
     start = time.time()
     steps = train_conditional(pipe, args.minutes, args.lr, args.sigma_min, args.batch, args.seed)
     pipe.save_pretrained(args.out)
+    minutes = (time.time() - start) / 60
+    earlier = Path(args.model) / "pretraining.json"
+    init = json.loads(earlier.read_text()) if earlier.is_file() else {}
     (Path(args.out) / "pretraining.json").write_text(json.dumps(
-        {**vars(args), "steps_taken": steps, "minutes": (time.time() - start) / 60}, indent=2))
+        {**vars(args), "steps_taken": steps, "minutes": minutes,
+         "total_minutes": init.get("total_minutes", init.get("minutes", 0.0)) + minutes, "init": init}, indent=2))
     print(f"video_informs_audio {video_informs_audio(pipe)}; saved to {args.out}")
 
 
