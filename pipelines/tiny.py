@@ -47,7 +47,10 @@ def build_clip_tokenizer(words: list[str], max_length: int = 16) -> CLIPTokenize
     """A real ``CLIPTokenizer`` whose byte-pair merges turn every word in ``words`` into one token.
 
     The merges are learnt with the ``tokenizers`` BPE trainer (CLIP's ``</w>`` end-of-word
-    suffix), so any other lowercase word still tokenizes, into pieces.
+    suffix), so any other lowercase word still tokenizes, into pieces. The trainer numbers its
+    tokens in a hash-map order that changes from process to process (the same tokens, other ids,
+    so a model built from the same seed would differ between runs): ids are reassigned here, the
+    special tokens first, then the rest sorted.
     """
     bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>", unk_token=EOS))
     bpe.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -58,7 +61,10 @@ def build_clip_tokenizer(words: list[str], max_length: int = 16) -> CLIPTokenize
     bpe.train_from_iterator(words * 4, trainer=trainer)
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
               for m in json.loads(bpe.to_str())["model"]["merges"]]
-    return CLIPTokenizer(vocab=bpe.get_vocab(), merges=merges, model_max_length=max_length)
+    learnt = bpe.get_vocab()
+    ordered = [BOS, EOS] + sorted(token for token in learnt if token not in (BOS, EOS))
+    return CLIPTokenizer(vocab={token: i for i, token in enumerate(ordered)}, merges=merges,
+                         model_max_length=max_length)
 
 
 def build_t5_tokenizer(words: list[str]) -> T5TokenizerFast:
