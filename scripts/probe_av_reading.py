@@ -10,9 +10,11 @@
 prompt, at several audio noise levels (``pretrain_av.audio_loss_own_vs_other_video``); equal
 losses mean the audio ignores the video.
 
-``coupling``: ``pretrain_av.quick_eval`` of the model over the test prompts × ``--seeds`` (16 ODE
-steps): every reward component, ``coupling`` (sync minus sync against another seed's audio of the
-same prompt) and ``video_informs_audio``, sampled in the model's own order or ``--order``'s.
+``coupling``: ``pretrain_av.quick_eval`` of the model over the test prompts × ``--seeds``
+(``--steps`` ODE steps): every reward component, ``coupling`` (sync minus sync against another
+seed's audio of the same prompt), ``no_touch`` (the fraction of clips whose video shows no wall
+touch: sync 0 whatever the audio) and ``video_informs_audio``, sampled in the model's own order
+or ``--order``'s.
 
 ``conditional``: trains only the case where the video alone can tell when to beep (clean video,
 audio at σ_a ~ U(``--sigma-min``, 1), audio loss only, the model's weights, constant lr, no EMA),
@@ -75,6 +77,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seeds", type=int, default=8, help="coupling: seeds per test prompt")
+    parser.add_argument("--steps", type=int, default=16, help="coupling: sampling steps")
     parser.add_argument("--order", choices=["joint", "video_first"], default=None,
                         help="coupling: sample in this order instead of the model's own")
     args = parser.parse_args()
@@ -88,7 +91,8 @@ def main() -> None:
         pipe.set_progress_bar_config(disable=True)
         if args.order:
             pipe.set_sampling_order(args.order)
-        print(json.dumps({"model": args.model, "order": pipe.sampling_order, **quick_eval(pipe, n_seeds=args.seeds)}))
+        print(json.dumps({"model": args.model, "order": pipe.sampling_order, "steps": args.steps,
+                          **quick_eval(pipe, n_seeds=args.seeds, steps=args.steps)}))
         return
     if not args.out:
         parser.error("conditional needs --out")
