@@ -176,6 +176,9 @@ class RoutingConfig:
     # Lagrange multiplier λ_k (step floor_strength per warm-up std of shortfall, at most floor_max); 0 = off
     floor_strength: float = 1.0
     floor_max: float = 10.0
+    # with floors on: a reward at or above its floor (not suppressed in outcome) gains no residual
+    # from a low gradient cosine; its residual can only decay (the weight goes to rewards that fall)
+    floor_gates_residual: bool = False
     # (i) cross-modal influence: per-token loss weights (u / mean u)^token_alpha and gradient scales
     # of the cross-modal attention modules clip(u_l / mean u, layer_scale_min, layer_scale_max)
     influence: bool = False

@@ -200,3 +200,28 @@ def test_influence_weights_and_layer_scales_from_a_known_attention_pattern():
     assert torch.equal(token_weights(u, alpha=0.0), torch.ones(1, 2))
     scales = layer_gradient_scales(torch.tensor([1.0, 2.0, 3.0, 10.0]), low=0.25, high=2.0)
     assert scales.tolist() == pytest.approx([0.25, 0.5, 0.75, 2.0])  # mean 4: 1/4, 2/4, 3/4, 10/4 → clipped
+
+
+def test_a_reward_above_its_floor_gains_no_residual_when_floors_gate_it():
+    priors = torch.tensor([[0.5, 0.5]])
+    conflict = torch.tensor([[[4.0, -1.0], [-1.0, 0.5]]])  # reward 1's cosine is negative (see above)
+    free, cos, _ = residual_weights(priors, conflict, torch.zeros(1, 2), active=True)
+    assert cos[0, 1] < 0.3 and free[0, 1] > 0.5  # ungated: reward 1 is boosted
+    w, _, rho = residual_weights(priors, conflict, torch.zeros(1, 2), active=True, secure=torch.tensor([False, True]))
+    assert torch.equal(rho, torch.zeros(1, 2)) and torch.allclose(w, priors)  # above its floor: no boost
+    # a residual it already has can only decay: the step is min(0, strength·(threshold − cos))
+    _, cos, rho = residual_weights(priors, torch.ones(1, 2, 2), torch.tensor([[0.0, 2.0]]), active=True,
+                                   secure=torch.tensor([True, True]))
+    assert rho[0, 1] == pytest.approx(2.0 + 0.3 - float(cos[0, 1]), abs=1e-6) and rho[0, 1] < 2.0
+
+    # through the router: only with floor_gates_residual, and only after warm-up
+    def run(gates: bool) -> torch.Tensor:
+        router = RewardRouter(torch.ones(2), torch.tensor([[True, True]]), warmup=1, strength=1.0, threshold=0.3,
+                              max_residual=4.0, gram_decay=0.0, floor_strength=1.0, floor_gates_residual=gates)
+        for epoch, means in ((1, [0.5, 0.5]), (2, [0.5, 0.6])):  # reward 1 rises above its floor 0.5
+            router.observe(conflict)
+            router.observe_rewards(torch.tensor(means), torch.full((2,), 0.1), torch.full((2,), 10.0))
+            router.end_epoch(epoch)
+        return router.residual
+
+    assert run(False)[0, 1] > 0 and run(True)[0, 1] == 0

@@ -37,7 +37,11 @@ improve under W, not whether it does, and on the audio-video world sync fell und
 driven W. Each reward's mean over the warm-up epochs is its floor f_k; afterwards a Lagrange
 multiplier λ_k ≥ 0 of the constraint r̄_k ≥ f_k (r̄_k the epoch's training-rollout mean) is updated
 by λ_k ← clip(λ_k + floor_strength·(f_k − r̄_k)/s_k, 0, floor_max), s_k the reward's warm-up std, and
-adds to the residual: W[b, k] ∝ p_k·(1 + ρ_bk + λ_k). A reward held above its floor keeps λ = 0. (An output-space proxy, Σ_i ‖∂C_i/∂v_θ‖²·a_ik·a_ij, costs no backward pass but treats the
+adds to the residual: W[b, k] ∝ p_k·(1 + ρ_bk + λ_k). A reward held above its floor keeps λ = 0.
+With ``floor_gates_residual`` such a reward's cosine residual may only decay: a low cosine does not
+boost a reward that is not falling, which otherwise competes with the boost of one that is (on the
+audio-video world text–video's cosine went negative while text–video rose, and its residual took
+weight from the falling sync). (An output-space proxy, Σ_i ‖∂C_i/∂v_θ‖²·a_ik·a_ij, costs no backward pass but treats the
 samples' outputs as independent parameters: on the audio-video world it put every cosine at
 0.6–0.9 while sync fell under fixed weights, because the conflict lives in the shared weights.)
 
@@ -109,6 +113,7 @@ def residual_weights(
     threshold: float = 0.3,
     max_residual: float = 4.0,
     floor_multiplier: torch.Tensor | None = None,
+    secure: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One epoch's update of the routing: (W [M, K], cos [M, K], residual ρ [M, K]).
 
@@ -120,6 +125,8 @@ def residual_weights(
     residuals relative to a row's least boosted reward change W, so that one is held at 0.
     ``active`` False (warm-up) returns W0 itself and ρ unchanged. Rewards with W0 = 0 keep 0.
     ``floor_multiplier``: λ [K] of ``floor_multipliers``, added to every row's residual (W ∝ W0·(1 + ρ + λ)).
+    ``secure``: bool [K], rewards at or above their floor: their step is clipped at 0, so a low
+    cosine does not boost a reward that is not falling (the residual goes to those that are).
     """
     extra = torch.zeros(priors.shape[1]) if floor_multiplier is None else floor_multiplier.float()
 
@@ -132,7 +139,10 @@ def residual_weights(
         return priors, gradient_cosines(priors, gram), residual
     cos = gradient_cosines(routed(residual), gram)
     routed_mask = priors > 0
-    residual = (residual + strength * (threshold - cos)) * routed_mask
+    step = strength * (threshold - cos)
+    if secure is not None:
+        step = torch.where(secure[None, :], step.clamp(max=0.0), step)
+    residual = (residual + step) * routed_mask
     # only relative residuals change W (rows are rescaled): the least boosted routed reward of a row sits at 0
     floor = torch.where(routed_mask, residual, torch.full_like(residual, float("inf"))).min(1, keepdim=True).values
     residual = ((residual - floor.clamp(min=0)).clamp(min=0.0, max=max_residual)) * routed_mask
@@ -255,7 +265,7 @@ class RewardRouter:
 
     def __init__(self, priors: torch.Tensor, concerns: torch.Tensor, *, warmup: int, strength: float,
                  threshold: float, max_residual: float, gram_decay: float, floor_strength: float = 0.0,
-                 floor_max: float = 10.0):
+                 floor_max: float = 10.0, floor_gates_residual: bool = False):
         self.priors = routed_priors(priors, concerns)
         self.weights = self.priors.clone()
         self.cos = torch.zeros_like(self.priors)
@@ -266,6 +276,7 @@ class RewardRouter:
         self.warmup, self.strength, self.threshold = warmup, strength, threshold
         self.max_residual, self.gram_decay = max_residual, gram_decay
         self.floor_strength, self.floor_max = floor_strength, floor_max
+        self.floor_gates_residual = floor_gates_residual
         k = self.priors.shape[1]
         self.floor_multiplier = torch.zeros(k)
         self.warmup_sums = torch.zeros(3, k)  # Σ n, Σ mean·n, Σ (std² + mean²)·n over the warm-up epochs
@@ -295,6 +306,7 @@ class RewardRouter:
         self.gram = self.pending_gram if not self._seen else \
             self.gram_decay * self.gram + (1 - self.gram_decay) * self.pending_gram
         self._seen, self.pending_gram = True, torch.zeros_like(self.gram)
+        secure = None
         if self.floor_strength > 0 and self.epoch_rewards is not None:
             means, stds, counts = self.epoch_rewards
             if epoch <= self.warmup:  # the rewards sampled under W0
@@ -303,10 +315,13 @@ class RewardRouter:
                 floors, scales = self.floors()
                 self.floor_multiplier = floor_multipliers(self.floor_multiplier, means, floors, scales,
                                                           strength=self.floor_strength, max_multiplier=self.floor_max)
+            if self.floor_gates_residual and epoch >= self.warmup:  # the floors are complete from here on
+                secure = means >= self.floors()[0]  # NaN (no valid sample): not secure
         self.epoch_rewards = None
         self.weights, self.cos, self.residual = residual_weights(
             self.priors, self.gram, self.residual, active=epoch >= self.warmup, strength=self.strength,
-            threshold=self.threshold, max_residual=self.max_residual, floor_multiplier=self.floor_multiplier)
+            threshold=self.threshold, max_residual=self.max_residual, floor_multiplier=self.floor_multiplier,
+            secure=secure)
 
     def state_dict(self) -> dict:
         return {"weights": self.weights, "cos": self.cos, "gram": self.gram, "residual": self.residual, "seen": self._seen,
