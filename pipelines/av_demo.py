@@ -143,9 +143,12 @@ class AVPipeline(DiffusionPipeline):
         sigma_video, sigma_audio, video_moves = video_first_levels(tau)
         v = self.velocity(latents, 1000 * torch.stack([sigma_video, sigma_audio], 1).to(latents.device), text,
                           pooled, model)
-        video_mask, audio_mask = self.joint_layout.masks(latents.device)
-        moving = torch.where(video_moves.to(latents.device)[:, None], video_mask[None], audio_mask[None])
-        return v * moving
+        return v * self.moving_elements(video_moves.to(latents.device))
+
+    def moving_elements(self, video_moves: torch.Tensor) -> torch.Tensor:
+        """bool [B] (the video is the stream that moves) → bool [B, D]: the moving stream's elements."""
+        video_mask, audio_mask = self.joint_layout.masks(video_moves.device)
+        return torch.where(video_moves[:, None], video_mask[None], audio_mask[None])
 
     def decode_latents(self, latents: torch.Tensor) -> AudioVideoSamples:
         """Joint latents [B, D] → ``AudioVideoSamples``: video (x + 1) / 2 clamped to [0, 1]
@@ -353,10 +356,10 @@ class AVDemoAdapter(DenoiserAdapter):
         if self.sampling_order == "joint":
             return x0, (1 - s[:, None]) * x0 + s[:, None] * noise, s
         sigma_video, sigma_audio, video_moves = video_first_levels(s)
-        video_mask, audio_mask = self.joint_layout.masks(x0.device)
+        video_mask = self.joint_layout.masks(x0.device)[0]
         levels = torch.where(video_mask[None], sigma_video[:, None], sigma_audio[:, None])
         x_t = (1 - levels) * x0 + levels * noise
-        moving = torch.where(video_moves[:, None], video_mask[None], audio_mask[None])
+        moving = self.pipe.moving_elements(video_moves)
         return torch.where(moving, x0, x_t), x_t, torch.where(video_moves, sigma_video, sigma_audio)
 
     # -- what the routing objective reads ----------------------------------------------------
