@@ -179,6 +179,9 @@ class RoutingConfig:
     # with floors on: a reward at or above its floor (not suppressed in outcome) gains no residual
     # from a low gradient cosine; its residual can only decay (the weight goes to rewards that fall)
     floor_gates_residual: bool = False
+    # with floors on: while a reward is below its floor (λ > 0), the rewards whose gradients oppose it
+    # on a branch it trains (negative reward-gradient interaction) get weight 0 there (CRPO-style priority)
+    floor_gates_conflicts: bool = False
     # (i) cross-modal influence: per-token loss weights (u / mean u)^token_alpha and gradient scales
     # of the cross-modal attention modules clip(u_l / mean u, layer_scale_min, layer_scale_max)
     influence: bool = False
@@ -373,6 +376,9 @@ def check_values(config: RunConfig, where: str = "config") -> None:
          "reweight / influence need method diffusion_nft"),
         ("routing.reweight", not config.routing.reweight or t.per_reward_advantages,
          "needs train.per_reward_advantages=true (one advantage per reward, routed per branch)"),
+        ("routing.floor_gates_conflicts", not config.routing.floor_gates_conflicts
+         or (config.routing.reweight and config.routing.floor_strength > 0),
+         "needs routing.reweight=true and routing.floor_strength > 0 (it acts while a reward is below its floor)"),
         ("routing.concerns", set(config.routing.concerns) <= set(config.reward.weights),
          f"names components that reward.weights does not weight: {sorted(set(config.routing.concerns) - set(config.reward.weights))}"),
         ("routing.concerns", all(b and set(b) <= {"video", "audio"} for b in config.routing.concerns.values()),
