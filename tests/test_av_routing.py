@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from flowalign.objectives.av_routing import (RewardRouter, branch_advantages, branch_contrasts, conflict_gate,
+from flowalign.objectives.av_routing import (RewardRouter, branch_advantages, branch_contrasts, floor_gate,
                                              floor_multipliers,
                                              interaction_gram, layer_gradient_scales, psd_part, residual_weights,
                                              response_ratio, routed_nft_loss, routed_priors, token_weights)
@@ -228,28 +228,31 @@ def test_a_reward_above_its_floor_gains_no_residual_when_floors_gate_it():
     assert run(False)[0, 1] > 0 and run(True)[0, 1] == 0
 
 
-def test_conflict_gate_switches_off_only_the_rewards_that_oppose_a_reward_below_its_floor():
+def test_floor_gate_switches_off_the_rewards_that_compete_with_a_reward_below_its_floor():
     # rewards (video quality, text-video, sync) on one branch; text-video opposes sync, quality agrees
     gram = torch.tensor([[[1.0, 0.2, 0.3], [0.2, 1.0, -0.5], [0.3, -0.5, 1.0]]])
     weights = torch.tensor([[1.0, 1.0, 1.0]])
     # sync violated: G·w_V = column sync = (0.3, −0.5, 1.0): text-video is switched off, mass 3 kept
-    gated = conflict_gate(weights, gram, torch.tensor([False, False, True]))
-    assert torch.allclose(gated, torch.tensor([[1.5, 0.0, 1.5]]))
+    sync = torch.tensor([False, False, True])
+    assert torch.allclose(floor_gate(weights, gram, sync, "conflicts"), torch.tensor([[1.5, 0.0, 1.5]]))
+    assert torch.allclose(floor_gate(weights, gram, sync, "all"), torch.tensor([[0.0, 0.0, 3.0]]))  # CRPO's switch
     # nothing violated, or the violated reward not on this branch: unchanged
-    assert torch.equal(conflict_gate(weights, gram, torch.zeros(3, dtype=torch.bool)), weights)
-    assert torch.equal(conflict_gate(torch.tensor([[1.0, 1.0, 0.0]]), gram, torch.tensor([False, False, True])),
-                       torch.tensor([[1.0, 1.0, 0.0]]))
+    for mode in ("all", "conflicts"):
+        assert torch.equal(floor_gate(weights, gram, torch.zeros(3, dtype=torch.bool), mode), weights)
+        assert torch.equal(floor_gate(torch.tensor([[1.0, 1.0, 0.0]]), gram, sync, mode), torch.tensor([[1.0, 1.0, 0.0]]))
     # two violated rewards: the pull is their weighted sum (text-video: 0.2·1 − 0.5·1 < 0; it is violated itself,
     # so only non-violated rewards can be switched off: nothing changes)
-    assert torch.equal(conflict_gate(weights, gram, torch.tensor([False, True, True])), weights)
+    assert torch.equal(floor_gate(weights, gram, torch.tensor([False, True, True]), "conflicts"), weights)
+    with pytest.raises(ValueError, match="all or conflicts"):
+        floor_gate(weights, gram, sync, "some")
 
 
 def test_router_gates_conflicts_while_the_floor_multiplier_is_positive():
     gram = torch.tensor([[[1.0, -0.5], [-0.5, 1.0]]])  # (text-video, sync) oppose each other: PSD
 
-    def router_weights(gates: bool, means) -> torch.Tensor:
+    def router_weights(gate: str, means) -> torch.Tensor:
         router = RewardRouter(torch.ones(2), torch.tensor([[True, True]]), warmup=1, strength=0.0, threshold=0.3,
-                              max_residual=4.0, gram_decay=0.0, floor_strength=1.0, floor_gates_conflicts=gates)
+                              max_residual=4.0, gram_decay=0.0, floor_strength=1.0, floor_gate=gate)
         for epoch, m in enumerate(means, 1):  # epoch 1 is warm-up: floors (0.5, 0.5)
             router.observe(gram)
             router.observe_rewards(torch.tensor(m), torch.full((2,), 0.1), torch.full((2,), 10.0))
@@ -257,7 +260,7 @@ def test_router_gates_conflicts_while_the_floor_multiplier_is_positive():
         return router.weights
 
     fell = [[0.5, 0.5], [0.6, 0.45]]  # sync falls below its floor: λ_sync = 0.5
-    assert torch.allclose(router_weights(False, fell), torch.tensor([[0.8, 1.2]]))  # soft: W ∝ 1 : 1.5, mass 2
-    assert torch.allclose(router_weights(True, fell), torch.tensor([[0.0, 2.0]]))  # gated: sync alone
+    assert torch.allclose(router_weights("off", fell), torch.tensor([[0.8, 1.2]]))  # soft: W ∝ 1 : 1.5, mass 2
+    assert torch.allclose(router_weights("conflicts", fell), torch.tensor([[0.0, 2.0]]))  # gated: sync alone
     # back above its floor: λ = 0.5 − 1·(0.6 − 0.5)/0.1 < 0 → 0, the priors return
-    assert torch.allclose(router_weights(True, fell + [[0.6, 0.6]]), torch.ones(1, 2))
+    assert torch.allclose(router_weights("conflicts", fell + [[0.6, 0.6]]), torch.ones(1, 2))

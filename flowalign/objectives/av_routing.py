@@ -41,14 +41,14 @@ adds to the residual: W[b, k] ∝ p_k·(1 + ρ_bk + λ_k). A reward held above i
 With ``floor_gates_residual`` such a reward's cosine residual may only decay: a low cosine does not
 boost a reward that is not falling, which otherwise competes with the boost of one that is (on the
 audio-video world text–video's cosine went negative while text–video rose, and its residual took
-weight from the falling sync). **Conflict gating** (``floor_gates_conflicts``) makes a floor a hard
-priority, as CRPO (Xu et al., 2021) does for constrained RL: while λ_k > 0 (reward k below its floor
-on balance: the multiplier integrates shortfall minus surplus, which gives the switch hysteresis),
-every other reward j of a branch that carries k whose gradient opposes it there, (G^b w_V)_j < 0 with
-w_V the weights of the rewards in violation, gets weight 0 on that branch (the row keeps its prior
-mass). Rewards that agree with the violated one keep training; the priors return once λ_k is paid
-back to 0. On the audio-video world sync fell under every soft weighting while training on sync
-alone raised every component. (An output-space proxy, Σ_i ‖∂C_i/∂v_θ‖²·a_ik·a_ij, costs no backward pass but treats the
+weight from the falling sync). **Floor gating** (``floor_gate``) makes a floor a hard priority, as
+CRPO (Xu et al., 2021) does for constrained RL: while λ_k > 0 (reward k below its floor on balance:
+the multiplier integrates shortfall minus surplus, which gives the switch hysteresis), the other
+rewards of each branch that carries k get weight 0 there (the row keeps its prior mass): with
+``"all"`` every one of them, with ``"conflicts"`` those whose gradient opposes the violated rewards'
+on that branch, (G^b w_V)_j < 0 with w_V the weights of the rewards in violation. The priors
+return once λ_k is paid back to 0. On the audio-video world sync fell under every soft weighting,
+while training on sync alone raised every component. (An output-space proxy, Σ_i ‖∂C_i/∂v_θ‖²·a_ik·a_ij, costs no backward pass but treats the
 samples' outputs as independent parameters: on the audio-video world it put every cosine at
 0.6–0.9 while sync fell under fixed weights, because the conflict lives in the shared weights.)
 
@@ -122,6 +122,7 @@ def residual_weights(
     floor_multiplier: torch.Tensor | None = None,
     secure: torch.Tensor | None = None,
     violated: torch.Tensor | None = None,
+    gate: str = "conflicts",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One epoch's update of the routing: (W [M, K], cos [M, K], residual ρ [M, K]).
 
@@ -135,8 +136,8 @@ def residual_weights(
     ``floor_multiplier``: λ [K] of ``floor_multipliers``, added to every row's residual (W ∝ W0·(1 + ρ + λ)).
     ``secure``: bool [K], rewards at or above their floor: their step is clipped at 0, so a low
     cosine does not boost a reward that is not falling (the residual goes to those that are).
-    ``violated``: bool [K], rewards below their floor: ``conflict_gate`` switches off the rewards
-    that oppose them (after the residuals; cos is measured before the gate).
+    ``violated``: bool [K], rewards below their floor: ``floor_gate`` (mode ``gate``) switches off
+    the other rewards of their branches (after the residuals; cos is measured before the gate).
     """
     extra = torch.zeros(priors.shape[1]) if floor_multiplier is None else floor_multiplier.float()
 
@@ -158,22 +159,26 @@ def residual_weights(
     residual = ((residual - floor.clamp(min=0)).clamp(min=0.0, max=max_residual)) * routed_mask
     weights = routed(residual)
     if violated is not None and violated.any():
-        weights = conflict_gate(weights, gram, violated)
+        weights = floor_gate(weights, gram, violated, gate)
     return weights, cos, residual
 
 
-def conflict_gate(weights: torch.Tensor, gram: torch.Tensor, violated: torch.Tensor) -> torch.Tensor:
-    """Switch off the rewards that oppose a reward below its floor, per branch.
+def floor_gate(weights: torch.Tensor, gram: torch.Tensor, violated: torch.Tensor, mode: str) -> torch.Tensor:
+    """Switch off, per branch, the rewards that compete with a reward below its floor.
 
-    weights: W [M, K]; gram: PSD G [M, K, K]; violated: bool [K]. On a branch that carries a
-    violated reward (W > 0), a reward j that is not violated and whose gradient opposes the
-    violated ones', (G w_V)_j < 0 with w_V = W masked to the violated rewards, gets weight 0; the
-    row is rescaled to its former total. Branches without a violated reward are unchanged. → [M, K]
+    weights: W [M, K]; gram: PSD G [M, K, K]; violated: bool [K]; mode "all" | "conflicts". On a
+    branch that carries a violated reward (W > 0), a reward j that is not violated gets weight 0:
+    with "all" every such j, with "conflicts" those whose gradient opposes the violated ones',
+    (G w_V)_j < 0 with w_V = W masked to the violated rewards. The row is rescaled to its former
+    total. Branches without a violated reward are unchanged. → [M, K]
     """
+    if mode not in ("all", "conflicts"):
+        raise ValueError(f"floor_gate: mode must be all or conflicts, got {mode!r}")
     w = weights.float()
     w_violated = w * violated[None, :].float()
     pull = torch.einsum("bjk,bk->bj", gram.float(), w_violated)
-    off = ~violated[None, :] & (pull < 0) & (w_violated.sum(1, keepdim=True) > 0)
+    competes = torch.ones_like(pull, dtype=torch.bool) if mode == "all" else pull < 0
+    off = ~violated[None, :] & competes & (w_violated.sum(1, keepdim=True) > 0)
     gated = w.masked_fill(off, 0.0)
     return gated * w.sum(1, keepdim=True) / gated.sum(1, keepdim=True).clamp(min=1e-12)
 
@@ -294,7 +299,7 @@ class RewardRouter:
 
     def __init__(self, priors: torch.Tensor, concerns: torch.Tensor, *, warmup: int, strength: float,
                  threshold: float, max_residual: float, gram_decay: float, floor_strength: float = 0.0,
-                 floor_max: float = 10.0, floor_gates_residual: bool = False, floor_gates_conflicts: bool = False):
+                 floor_max: float = 10.0, floor_gates_residual: bool = False, floor_gate: str = "off"):
         self.priors = routed_priors(priors, concerns)
         self.weights = self.priors.clone()
         self.cos = torch.zeros_like(self.priors)
@@ -305,7 +310,7 @@ class RewardRouter:
         self.warmup, self.strength, self.threshold = warmup, strength, threshold
         self.max_residual, self.gram_decay = max_residual, gram_decay
         self.floor_strength, self.floor_max = floor_strength, floor_max
-        self.floor_gates_residual, self.floor_gates_conflicts = floor_gates_residual, floor_gates_conflicts
+        self.floor_gates_residual, self.floor_gate = floor_gates_residual, floor_gate
         k = self.priors.shape[1]
         self.floor_multiplier = torch.zeros(k)
         self.warmup_sums = torch.zeros(3, k)  # Σ n, Σ mean·n, Σ (std² + mean²)·n over the warm-up epochs
@@ -350,7 +355,8 @@ class RewardRouter:
         self.weights, self.cos, self.residual = residual_weights(
             self.priors, self.gram, self.residual, active=epoch >= self.warmup, strength=self.strength,
             threshold=self.threshold, max_residual=self.max_residual, floor_multiplier=self.floor_multiplier,
-            secure=secure, violated=self.floor_multiplier > 0 if self.floor_gates_conflicts else None)
+            secure=secure, violated=self.floor_multiplier > 0 if self.floor_gate != "off" else None,
+            gate=self.floor_gate)
 
     def state_dict(self) -> dict:
         return {"weights": self.weights, "cos": self.cos, "gram": self.gram, "residual": self.residual, "seen": self._seen,
