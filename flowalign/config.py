@@ -180,9 +180,9 @@ class RoutingConfig:
     # from a low gradient cosine; its residual can only decay (the weight goes to rewards that fall)
     floor_gates_residual: bool = False
     # with floors on, while a reward is below its floor (λ > 0), the other rewards of the branches it
-    # trains get weight 0 there (a CRPO-style priority): off | all | conflicts (only those whose gradient
+    # trains get weight 0 there (a CRPO-style priority): none | all | conflicts (only those whose gradient
     # opposes it there: a negative reward-gradient interaction)
-    floor_gate: str = "off"
+    floor_gate: str = "none"
     # (i) cross-modal influence: per-token loss weights (u / mean u)^token_alpha and gradient scales
     # of the cross-modal attention modules clip(u_l / mean u, layer_scale_min, layer_scale_max)
     influence: bool = False
@@ -377,8 +377,8 @@ def check_values(config: RunConfig, where: str = "config") -> None:
          "reweight / influence need method diffusion_nft"),
         ("routing.reweight", not config.routing.reweight or t.per_reward_advantages,
          "needs train.per_reward_advantages=true (one advantage per reward, routed per branch)"),
-        ("routing.floor_gate", config.routing.floor_gate in ("off", "all", "conflicts"), "must be off, all or conflicts"),
-        ("routing.floor_gate", config.routing.floor_gate == "off"
+        ("routing.floor_gate", config.routing.floor_gate in ("none", "all", "conflicts"), "must be none, all or conflicts"),
+        ("routing.floor_gate", config.routing.floor_gate == "none"
          or (config.routing.reweight and config.routing.floor_strength > 0),
          "needs routing.reweight=true and routing.floor_strength > 0 (it acts while a reward is below its floor)"),
         ("routing.concerns", set(config.routing.concerns) <= set(config.reward.weights),

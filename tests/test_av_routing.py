@@ -260,7 +260,7 @@ def test_router_gates_conflicts_while_the_floor_multiplier_is_positive():
         return router.weights
 
     fell = [[0.5, 0.5], [0.6, 0.45]]  # sync falls below its floor: λ_sync = 0.5
-    assert torch.allclose(router_weights("off", fell), torch.tensor([[0.8, 1.2]]))  # soft: W ∝ 1 : 1.5, mass 2
+    assert torch.allclose(router_weights("none", fell), torch.tensor([[0.8, 1.2]]))  # soft: W ∝ 1 : 1.5, mass 2
     assert torch.allclose(router_weights("conflicts", fell), torch.tensor([[0.0, 2.0]]))  # gated: sync alone
     # back above its floor: λ = 0.5 − 1·(0.6 − 0.5)/0.1 < 0 → 0, the priors return
     assert torch.allclose(router_weights("conflicts", fell + [[0.6, 0.6]]), torch.ones(1, 2))

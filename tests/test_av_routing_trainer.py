@@ -67,7 +67,7 @@ def test_routing_needs_per_reward_advantages_an_av_family_and_known_components(t
         av_config(tiny_av_dir, tmp_path, "routing.reweight=true", "train.per_reward_advantages=false")
     with pytest.raises(ConfigError, match="routing.concerns"):
         av_config(tiny_av_dir, tmp_path, "routing.reweight=true", "routing.concerns={loudness: [audio]}")
-    with pytest.raises(ConfigError, match="routing.floor_gate.*off, all or conflicts"):
+    with pytest.raises(ConfigError, match="routing.floor_gate.*none, all or conflicts"):
         av_config(tiny_av_dir, tmp_path, "routing.reweight=true", "routing.floor_gate=sync")
     with pytest.raises(ConfigError, match="routing.floor_gate.*floor_strength > 0"):
         av_config(tiny_av_dir, tmp_path, "routing.reweight=true", "routing.floor_gate=all", "routing.floor_strength=0")

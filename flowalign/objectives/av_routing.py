@@ -299,7 +299,7 @@ class RewardRouter:
 
     def __init__(self, priors: torch.Tensor, concerns: torch.Tensor, *, warmup: int, strength: float,
                  threshold: float, max_residual: float, gram_decay: float, floor_strength: float = 0.0,
-                 floor_max: float = 10.0, floor_gates_residual: bool = False, floor_gate: str = "off"):
+                 floor_max: float = 10.0, floor_gates_residual: bool = False, floor_gate: str = "none"):
         self.priors = routed_priors(priors, concerns)
         self.weights = self.priors.clone()
         self.cos = torch.zeros_like(self.priors)
@@ -355,7 +355,7 @@ class RewardRouter:
         self.weights, self.cos, self.residual = residual_weights(
             self.priors, self.gram, self.residual, active=epoch >= self.warmup, strength=self.strength,
             threshold=self.threshold, max_residual=self.max_residual, floor_multiplier=self.floor_multiplier,
-            secure=secure, violated=self.floor_multiplier > 0 if self.floor_gate != "off" else None,
+            secure=secure, violated=self.floor_multiplier > 0 if self.floor_gate != "none" else None,
             gate=self.floor_gate)
 
     def state_dict(self) -> dict:
