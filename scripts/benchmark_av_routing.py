@@ -61,8 +61,11 @@ def plot(results: dict, path: Path) -> None:
         ax.set_title(component)
         ax.set_xlabel("training minutes")
         ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    legend_inches = 0.22 * -(-len(labels) // 2) + 0.2  # two columns under the panels
+    fig.set_size_inches(4 * len(COMPONENTS), 3.6 + legend_inches)
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, legend_inches / (3.6 + legend_inches), 1, 1))
     fig.savefig(path, dpi=110)
 
 
