@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from flowalign.objectives.av_routing import (RewardRouter, branch_advantages, branch_contrasts, floor_gate,
-                                             floor_multipliers,
-                                             interaction_gram, layer_gradient_scales, psd_part, residual_weights,
-                                             response_ratio, routed_nft_loss, routed_priors, token_weights)
+                                             floor_multipliers, interaction_gram, layer_gradient_scales, psd_part,
+                                             residual_weights, response_ratio, routed_nft_loss, routed_priors,
+                                             token_weights)
 from flowalign.objectives.diffusion_nft import diffusion_nft_loss
 
 
