@@ -212,6 +212,17 @@ def measure_baseline(out: Path) -> dict:
     return result
 
 
+def stage_record(args, init: str | None, minutes: float, steps: int, **extra) -> dict:
+    """A stage's pretraining.json: its arguments, steps and minutes, the record of the stage it
+    continued (``init``'s pretraining.json, nested; None for a model built from scratch) and
+    ``total_minutes`` over every stage so far."""
+    earlier = Path(init) / "pretraining.json" if init else None
+    done = json.loads(earlier.read_text()) if earlier is not None and earlier.is_file() else None
+    before = done.get("total_minutes", done["minutes"]) if done else 0.0
+    return {**vars(args), "steps_taken": steps, "minutes": minutes, "total_minutes": before + minutes, **extra,
+            "init": done}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="pipelines/demo_models/av-demo", help="output folder (diffusers format)")
@@ -250,10 +261,6 @@ def main() -> None:
     start = time.time()
     pipe = AVPipeline.from_pretrained(args.init) if args.init else build_tiny_av_pipeline(vocabulary(), DEMO_SIZES,
                                                                                            seed=args.seed)
-    init_minutes, done = 0.0, None
-    if args.init:
-        done = json.loads((Path(args.init) / "pretraining.json").read_text())
-        init_minutes = done.get("total_minutes", done["minutes"])
     if args.cross_modal_window is not None:
         pipe.model.set_cross_modal_window(args.cross_modal_window)
     if args.sampling_order is not None:
@@ -263,9 +270,8 @@ def main() -> None:
     print(f"final eval (EMA): {quick_eval(ema, n_seeds=4)}", flush=True)
     ema.save_pretrained(out)
     minutes = (time.time() - start) / 60
-    (out / "pretraining.json").write_text(json.dumps({**vars(args), "steps_taken": taken, "minutes": minutes,
-                                                      "total_minutes": init_minutes + minutes,
-                                                      "sizes": vars(DEMO_SIZES), "init": done}, indent=2))
+    (out / "pretraining.json").write_text(json.dumps(stage_record(args, args.init, minutes, taken,
+                                                                  sizes=vars(DEMO_SIZES)), indent=2))
     print(f"saved to {out} after {minutes:.1f} min", flush=True)
     if args.baseline:
         print(json.dumps(measure_baseline(out), indent=2))

@@ -35,7 +35,7 @@ import torch
 
 from flowalign.worlds.audio_video import clip_batch, sample_specs
 from pipelines.av_demo import AVPipeline
-from pretrain_av import audio_loss_own_vs_other_video, quick_eval, video_informs_audio
+from pretrain_av import audio_loss_own_vs_other_video, quick_eval, stage_record, video_informs_audio
 
 
 def train_conditional(pipe: AVPipeline, minutes: float, lr: float, sigma_min: float, batch: int, seed: int) -> int:
@@ -100,12 +100,8 @@ def main() -> None:
     start = time.time()
     steps = train_conditional(pipe, args.minutes, args.lr, args.sigma_min, args.batch, args.seed)
     pipe.save_pretrained(args.out)
-    minutes = (time.time() - start) / 60
-    earlier = Path(args.model) / "pretraining.json"
-    init = json.loads(earlier.read_text()) if earlier.is_file() else {}
     (Path(args.out) / "pretraining.json").write_text(json.dumps(
-        {**vars(args), "steps_taken": steps, "minutes": minutes,
-         "total_minutes": init.get("total_minutes", init.get("minutes", 0.0)) + minutes, "init": init}, indent=2))
+        stage_record(args, args.model, (time.time() - start) / 60, steps), indent=2))
     print(f"video_informs_audio {video_informs_audio(pipe)}; saved to {args.out}")
 
 

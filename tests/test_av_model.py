@@ -148,12 +148,13 @@ def test_the_shipped_demo_model_loads_by_name_and_is_small():
     assert baseline["prompts"] == "av:test" and 0 <= baseline["metrics"]["audio_video/sync"] <= 1
     # it samples video-first (docs/audio_video.md), and pretraining.json records every stage that made it
     assert adapter.sampling_order == "video_first" and adapter.schedule(10).sigmas[0] == 2
-    stage, minutes = json.loads((folder / "pretraining.json").read_text()), []
+    record = json.loads((folder / "pretraining.json").read_text())
+    stage, minutes = record, []
     while stage:
         minutes.append(stage["minutes"])
         stage = stage.get("init")
     assert len(minutes) == 3
-    assert json.loads((folder / "pretraining.json").read_text())["total_minutes"] == pytest.approx(sum(minutes))
+    assert record["total_minutes"] == pytest.approx(sum(minutes))
 
 
 def _model_inputs(adapter, g):

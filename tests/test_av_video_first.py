@@ -178,3 +178,15 @@ def test_only_ode_diffusion_nft_trains_a_video_first_model(video_first_dir, tmp_
     trainer.train()
     (row,) = trainer.history
     assert row["train/grad_norm"] > 0 and torch.isfinite(torch.tensor(row["train/policy_loss"]))
+
+
+def test_a_stage_record_nests_the_stage_it_continued_and_sums_the_minutes(tmp_path):
+    import argparse
+    import json
+
+    args = argparse.Namespace(lr=1e-3)
+    first = pretrain_av.stage_record(args, None, 2.0, 10)
+    assert first["init"] is None and first["total_minutes"] == 2.0 and first["steps_taken"] == 10
+    (tmp_path / "pretraining.json").write_text(json.dumps(first))
+    second = pretrain_av.stage_record(args, str(tmp_path), 3.0, 5, sizes={"d": 8})
+    assert second["init"] == first and second["total_minutes"] == 5.0 and second["sizes"] == {"d": 8}
