@@ -231,20 +231,28 @@ def test_a_reward_above_its_floor_gains_no_residual_when_floors_gate_it():
 def test_floor_gate_switches_off_the_rewards_that_compete_with_a_reward_below_its_floor():
     # rewards (video quality, text-video, sync) on one branch; text-video opposes sync, quality agrees
     gram = torch.tensor([[[1.0, 0.2, 0.3], [0.2, 1.0, -0.5], [0.3, -0.5, 1.0]]])
-    weights = torch.tensor([[1.0, 1.0, 1.0]])
-    # sync violated: G·w_V = column sync = (0.3, −0.5, 1.0): text-video is switched off, mass 3 kept
+    priors = torch.tensor([[1.0, 0.5, 2.0]])
+    weights = torch.tensor([[0.6, 0.4, 2.5]])  # the priors with sync boosted by its residual and floor, mass 3.5
+    # sync violated: G·w_V ∝ column sync = (0.3, −0.5, 1.0): text-video is switched off, the rest train on
+    # their priors, unboosted and not rescaled (a step on the constraint at its own weight)
     sync = torch.tensor([False, False, True])
-    assert torch.allclose(floor_gate(weights, gram, sync, "conflicts"), torch.tensor([[1.5, 0.0, 1.5]]))
-    assert torch.allclose(floor_gate(weights, gram, sync, "all"), torch.tensor([[0.0, 0.0, 3.0]]))  # CRPO's switch
-    # nothing violated, or the violated reward not on this branch: unchanged
+    assert torch.equal(floor_gate(weights, priors, gram, sync, "conflicts"), torch.tensor([[1.0, 0.0, 2.0]]))
+    assert torch.equal(floor_gate(weights, priors, gram, sync, "all"), torch.tensor([[0.0, 0.0, 2.0]]))  # CRPO's switch
+    # nothing violated, or the violated reward not on this branch: W unchanged
     for mode in ("all", "conflicts"):
-        assert torch.equal(floor_gate(weights, gram, torch.zeros(3, dtype=torch.bool), mode), weights)
-        assert torch.equal(floor_gate(torch.tensor([[1.0, 1.0, 0.0]]), gram, sync, mode), torch.tensor([[1.0, 1.0, 0.0]]))
-    # two violated rewards: the pull is their weighted sum (text-video: 0.2·1 − 0.5·1 < 0; it is violated itself,
-    # so only non-violated rewards can be switched off: nothing changes)
-    assert torch.equal(floor_gate(weights, gram, torch.tensor([False, True, True]), "conflicts"), weights)
+        assert torch.equal(floor_gate(weights, priors, gram, torch.zeros(3, dtype=torch.bool), mode), weights)
+        unrouted = torch.tensor([[1.0, 1.0, 0.0]])
+        assert torch.equal(floor_gate(unrouted, unrouted, gram, sync, mode), unrouted)
+    # two branches, sync only on the second: the first keeps W, the second is gated
+    two = torch.tensor([[0.7, 0.3, 0.0], [0.6, 0.4, 2.5]])
+    two_priors = torch.tensor([[1.0, 0.5, 0.0], [1.0, 0.5, 2.0]])
+    assert torch.equal(floor_gate(two, two_priors, gram.expand(2, 3, 3), sync, "all"),
+                       torch.tensor([[0.7, 0.3, 0.0], [0.0, 0.0, 2.0]]))
+    # two violated rewards (text-video, sync): only quality can be switched off, and its pull, their weighted
+    # sum 0.2·0.4 + 0.3·2.5 > 0, keeps it: the gated row is the priors
+    assert torch.equal(floor_gate(weights, priors, gram, torch.tensor([False, True, True]), "conflicts"), priors)
     with pytest.raises(ValueError, match="all or conflicts"):
-        floor_gate(weights, gram, sync, "some")
+        floor_gate(weights, priors, gram, sync, "some")
 
 
 def test_router_gates_conflicts_while_the_floor_multiplier_is_positive():
@@ -261,6 +269,6 @@ def test_router_gates_conflicts_while_the_floor_multiplier_is_positive():
 
     fell = [[0.5, 0.5], [0.6, 0.45]]  # sync falls below its floor: λ_sync = 0.5
     assert torch.allclose(router_weights("none", fell), torch.tensor([[0.8, 1.2]]))  # soft: W ∝ 1 : 1.5, mass 2
-    assert torch.allclose(router_weights("conflicts", fell), torch.tensor([[0.0, 2.0]]))  # gated: sync alone
+    assert torch.equal(router_weights("conflicts", fell), torch.tensor([[0.0, 1.0]]))  # gated: sync alone, at its prior
     # back above its floor: λ = 0.5 − 1·(0.6 − 0.5)/0.1 < 0 → 0, the priors return
     assert torch.allclose(router_weights("conflicts", fell + [[0.6, 0.6]]), torch.ones(1, 2))

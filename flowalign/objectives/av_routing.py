@@ -44,7 +44,7 @@ audio-video world text–video's cosine went negative while text–video rose, a
 weight from the falling sync). **Floor gating** (``floor_gate``) makes a floor a hard priority, as
 CRPO (Xu et al., 2021) does for constrained RL: while λ_k > 0 (reward k below its floor on balance:
 the multiplier integrates shortfall minus surplus, which gives the switch hysteresis), the other
-rewards of each branch that carries k get weight 0 there (the row keeps its prior mass): with
+rewards of each branch that carries k get weight 0 there and the rest their priors: with
 ``"all"`` every one of them, with ``"conflicts"`` those whose gradient opposes the violated rewards'
 on that branch, (G^b w_V)_j < 0 with w_V the weights of the rewards in violation. The priors
 return once λ_k is paid back to 0. On the audio-video world sync fell under every soft weighting,
@@ -159,18 +159,22 @@ def residual_weights(
     residual = ((residual - floor.clamp(min=0)).clamp(min=0.0, max=max_residual)) * routed_mask
     weights = routed(residual)
     if violated is not None and violated.any():
-        weights = floor_gate(weights, gram, violated, gate)
+        weights = floor_gate(weights, priors, gram, violated, gate)
     return weights, cos, residual
 
 
-def floor_gate(weights: torch.Tensor, gram: torch.Tensor, violated: torch.Tensor, mode: str) -> torch.Tensor:
+def floor_gate(weights: torch.Tensor, priors: torch.Tensor, gram: torch.Tensor, violated: torch.Tensor,
+               mode: str) -> torch.Tensor:
     """Switch off, per branch, the rewards that compete with a reward below its floor.
 
-    weights: W [M, K]; gram: PSD G [M, K, K]; violated: bool [K]; mode "all" | "conflicts". On a
-    branch that carries a violated reward (W > 0), a reward j that is not violated gets weight 0:
-    with "all" every such j, with "conflicts" those whose gradient opposes the violated ones',
-    (G w_V)_j < 0 with w_V = W masked to the violated rewards. The row is rescaled to its former
-    total. Branches without a violated reward are unchanged. → [M, K]
+    weights: W [M, K]; priors: W0 [M, K]; gram: PSD G [M, K, K]; violated: bool [K]; mode "all" |
+    "conflicts". A branch that carries a violated reward (W > 0) trains on the priors W0 of the
+    rewards that do not compete with it: with "all" every other reward competes, with "conflicts"
+    those whose gradient opposes the violated ones', (G w_V)_j < 0 with w_V = W masked to the
+    violated rewards. The gated row is not rescaled and carries no residual or floor boost: as in
+    CRPO, a violated constraint gets a step of its own at its own weight, not an amplified one (with
+    the row's mass kept, sync alone trained at 3× its weight on the audio-video world and fell where
+    sync alone at its prior weight rose). Branches without a violated reward keep W. → [M, K]
     """
     if mode not in ("all", "conflicts"):
         raise ValueError(f"floor_gate: mode must be all or conflicts, got {mode!r}")
@@ -178,9 +182,8 @@ def floor_gate(weights: torch.Tensor, gram: torch.Tensor, violated: torch.Tensor
     w_violated = w * violated[None, :].float()
     pull = torch.einsum("bjk,bk->bj", gram.float(), w_violated)
     competes = torch.ones_like(pull, dtype=torch.bool) if mode == "all" else pull < 0
-    off = ~violated[None, :] & competes & (w_violated.sum(1, keepdim=True) > 0)
-    gated = w.masked_fill(off, 0.0)
-    return gated * w.sum(1, keepdim=True) / gated.sum(1, keepdim=True).clamp(min=1e-12)
+    gated_rows = w_violated.sum(1, keepdim=True) > 0
+    return torch.where(gated_rows, priors.float().masked_fill(~violated[None, :] & competes, 0.0), w)
 
 
 def floor_multipliers(
