@@ -233,6 +233,7 @@ def test_chess_puzzle_reward_components():
     assert out["theme_match"].tolist() == [1, 0, 1, 0, 1]
     assert out["theme_score"].tolist() == [1, 0.5, 1, 0, 1]
     assert out["yield"].tolist() == [1, 0, 0, 0, 1]
+    assert out["partial_yield"].tolist() == [1, 0.5, 0, 0, 1]  # unique × theme_score
     assert torch.isnan(out["best_move"]).all()  # FEN strings carry no move
 
     tokens = tokenizer.encode_batch([BACK_RANK_M1, BACK_RANK_M1, BACK_RANK_M1], ["a1a8", "a1a7", None])

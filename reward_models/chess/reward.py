@@ -9,6 +9,9 @@ Per sample (METHODS §4):
   on the engine's solution line (vacuously 1 when none are requested); ``theme_score``: the
   fraction of them that is; both 0 when illegal, NaN when the engine failed;
 - ``yield``: legal ∧ unique ∧ theme_match (NaN when unique or theme_match is);
+- ``partial_yield``: unique × theme_score, yield with partial credit for the themes: a unique
+  puzzle with one of two requested themes scores ½ (a denser signal than ``yield`` for RL on
+  multi-theme requests; equal to ``yield`` for one theme);
 - ``best_move``: 1 when the sample's own best-move tokens name the engine's first move (0 when
   illegal; NaN when the sample carries no move, e.g. FEN strings).
 
@@ -18,7 +21,7 @@ space-separated string); a theme the tagger cannot produce is an error, not a si
 >>> reward = ChessPuzzleReward(nodes=50_000)  # doctest: +SKIP
 >>> out = reward(["6k1/5ppp/8/8/8/8/8/R5K1 w - - 0 1"], [""], [{"themes": ["backRankMate"]}])  # doctest: +SKIP
 >>> {k: v.tolist() for k, v in out.items()}  # doctest: +SKIP
-{'legal': [1.0], 'unique': [1.0], 'theme_match': [1.0], 'theme_score': [1.0], 'yield': [1.0], 'best_move': [nan]}
+{'legal': [1.0], 'unique': [1.0], 'theme_match': [1.0], 'theme_score': [1.0], 'yield': [1.0], 'partial_yield': [1.0], 'best_move': [nan]}
 """
 
 from __future__ import annotations
@@ -58,16 +61,16 @@ class PuzzleVerdict:
     def components(self) -> dict[str, float]:
         if not self.legal:
             return {"legal": 0.0, "unique": 0.0, "theme_match": 0.0, "theme_score": 0.0, "yield": 0.0,
-                    "best_move": NAN if self.move is None else 0.0}
+                    "partial_yield": 0.0, "best_move": NAN if self.move is None else 0.0}
         unique = self.uniqueness.unique
         if unique is None:
             return {"legal": 1.0, "unique": NAN, "theme_match": NAN, "theme_score": NAN, "yield": NAN,
-                    "best_move": NAN}
+                    "partial_yield": NAN, "best_move": NAN}
         hits = sum(t in self.themes for t in self.requested)
         score = hits / len(self.requested) if self.requested else 1.0
         first = self.uniqueness.first
         return {"legal": 1.0, "unique": float(unique), "theme_match": float(score == 1.0), "theme_score": score,
-                "yield": float(unique and score == 1.0),
+                "yield": float(unique and score == 1.0), "partial_yield": float(unique) * score,
                 "best_move": NAN if self.move is None else float(first is not None and first.move == self.move)}
 
 
@@ -108,7 +111,7 @@ class ChessPuzzleReward(Reward):
     call and stop with ``close()`` (or when the reward is garbage-collected).
     """
 
-    components = ("legal", "unique", "theme_match", "theme_score", "yield", "best_move")
+    components = ("legal", "unique", "theme_match", "theme_score", "yield", "partial_yield", "best_move")
 
     def __init__(self, engines: int = 1, nodes: int = 100_000, time_limit: float = 10.0, hash_mb: int = 16,
                  gap: float = 0.5, min_first_cp: int = 200, max_solver_moves: int = 5,
