@@ -272,3 +272,21 @@ def test_router_gates_conflicts_while_the_floor_multiplier_is_positive():
     assert torch.equal(router_weights("conflicts", fell), torch.tensor([[0.0, 1.0]]))  # gated: sync alone, at its prior
     # back above its floor: λ = 0.5 − 1·(0.6 − 0.5)/0.1 < 0 → 0, the priors return
     assert torch.allclose(router_weights("conflicts", fell + [[0.6, 0.6]]), torch.ones(1, 2))
+
+
+def test_a_protected_reward_is_gated_for_from_the_first_epoch_after_warm_up():
+    gram = torch.tensor([[[1.0, -0.5, 0.2], [-0.5, 1.0, 0.1], [0.2, 0.1, 1.0]]])  # (sync, text-video, quality)
+
+    def weights_after(epochs: int, warmup: int) -> torch.Tensor:
+        router = RewardRouter(torch.ones(3), torch.ones(1, 3, dtype=torch.bool), warmup=warmup, strength=0.0,
+                              threshold=0.3, max_residual=4.0, gram_decay=0.0, floor_strength=1.0,
+                              floor_gate="conflicts", protected=torch.tensor([True, False, False]))
+        for epoch in range(1, epochs + 1):  # sync never falls: λ stays 0
+            router.observe(gram)
+            router.observe_rewards(torch.full((3,), 0.5), torch.full((3,), 0.1), torch.full((3,), 10.0))
+            router.end_epoch(epoch)
+        assert router.floor_multiplier.eq(0).all()
+        return router.weights
+
+    assert torch.equal(weights_after(1, warmup=2), torch.ones(1, 3))  # warm-up: the priors
+    assert torch.equal(weights_after(2, warmup=2), torch.tensor([[1.0, 0.0, 1.0]]))  # text-video opposes sync: off

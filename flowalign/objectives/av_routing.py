@@ -293,6 +293,7 @@ class RewardRouter:
     """The state of routing over a run: priors W0 [M, K], the Gram's EMA [M, K, K], the current
     weights W [M, K] and each cross-modal module's mean response (an EMA, for its gradient scale).
 
+    ``protected`` (bool [K]): rewards the floor gate treats as violated in every epoch after warm-up.
     ``observe`` adds one minibatch's interaction Gram [M, K, K] (``interaction_gram`` per branch);
     ``observe_rewards`` the epoch's per-reward training mean and std [K]; ``end_epoch(epoch)`` folds
     the epoch's Gram into the EMA, during warm-up accumulates the reward floors, and from epoch
@@ -302,7 +303,8 @@ class RewardRouter:
 
     def __init__(self, priors: torch.Tensor, concerns: torch.Tensor, *, warmup: int, strength: float,
                  threshold: float, max_residual: float, gram_decay: float, floor_strength: float = 0.0,
-                 floor_max: float = 10.0, floor_gates_residual: bool = False, floor_gate: str = "none"):
+                 floor_max: float = 10.0, floor_gates_residual: bool = False, floor_gate: str = "none",
+                 protected: torch.Tensor | None = None):
         self.priors = routed_priors(priors, concerns)
         self.weights = self.priors.clone()
         self.cos = torch.zeros_like(self.priors)
@@ -315,6 +317,7 @@ class RewardRouter:
         self.floor_strength, self.floor_max = floor_strength, floor_max
         self.floor_gates_residual, self.floor_gate = floor_gates_residual, floor_gate
         k = self.priors.shape[1]
+        self.protected = torch.zeros(k, dtype=torch.bool) if protected is None else protected.bool()
         self.floor_multiplier = torch.zeros(k)
         self.warmup_sums = torch.zeros(3, k)  # Σ n, Σ mean·n, Σ (std² + mean²)·n over the warm-up epochs
         self.epoch_rewards: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -358,7 +361,7 @@ class RewardRouter:
         self.weights, self.cos, self.residual = residual_weights(
             self.priors, self.gram, self.residual, active=epoch >= self.warmup, strength=self.strength,
             threshold=self.threshold, max_residual=self.max_residual, floor_multiplier=self.floor_multiplier,
-            secure=secure, violated=self.floor_multiplier > 0 if self.floor_gate != "none" else None,
+            secure=secure, violated=(self.floor_multiplier > 0) | self.protected if self.floor_gate != "none" else None,
             gate=self.floor_gate)
 
     def state_dict(self) -> dict:
