@@ -183,8 +183,8 @@ class RoutingConfig:
     # trains get weight 0 there (a CRPO-style priority): none | all | conflicts (only those whose gradient
     # opposes it there: a negative reward-gradient interaction)
     floor_gate: str = "none"
-    # rewards the floor gate treats as below their floor in every epoch after warm-up (a leading signal: with
-    # floor_gate conflicts the rewards whose gradient opposes them are switched off before they fall)
+    # essential rewards: their floor multiplier starts at 1 at the end of warm-up, so the floor gate holds
+    # for them from then on until they have gained one warm-up std over their floor (summed over epochs)
     protect: list[str] = field(default_factory=list)
     # (i) cross-modal influence: per-token loss weights (u / mean u)^token_alpha and gradient scales
     # of the cross-modal attention modules clip(u_l / mean u, layer_scale_min, layer_scale_max)

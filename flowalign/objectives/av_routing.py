@@ -75,6 +75,10 @@ import torch
 
 from flowalign.objectives.diffusion_nft import weighted_error
 
+# λ of a protected reward at the end of warm-up: it must gain one warm-up std over its floor, summed over
+# epochs (λ's step is the shortfall in warm-up stds), before the rewards that compete with it train again
+PROTECTED_DEBT = 1.0
+
 
 def routed_priors(priors: torch.Tensor, concerns: torch.Tensor) -> torch.Tensor:
     """W0[b, k] = p_k where reward k concerns branch b. priors: [K]; concerns: bool [M, K] → [M, K]."""
@@ -293,7 +297,8 @@ class RewardRouter:
     """The state of routing over a run: priors W0 [M, K], the Gram's EMA [M, K, K], the current
     weights W [M, K] and each cross-modal module's mean response (an EMA, for its gradient scale).
 
-    ``protected`` (bool [K]): rewards the floor gate treats as violated in every epoch after warm-up.
+    ``protected`` (bool [K]): rewards whose floor multiplier starts at ``PROTECTED_DEBT`` after warm-up,
+    so the floor gate holds for them until their surplus over the floor has paid it back.
     ``observe`` adds one minibatch's interaction Gram [M, K, K] (``interaction_gram`` per branch);
     ``observe_rewards`` the epoch's per-reward training mean and std [K]; ``end_epoch(epoch)`` folds
     the epoch's Gram into the EMA, during warm-up accumulates the reward floors, and from epoch
@@ -351,6 +356,9 @@ class RewardRouter:
             means, stds, counts = self.epoch_rewards
             if epoch <= self.warmup:  # the rewards sampled under W0
                 self.warmup_sums += torch.stack([counts, means * counts, (stds**2 + means**2) * counts])
+                if epoch == self.warmup:  # a protected reward starts in debt: secured before the others compete
+                    self.floor_multiplier = torch.where(self.protected, torch.tensor(PROTECTED_DEBT),
+                                                        self.floor_multiplier)
             else:
                 floors, scales = self.floors()
                 self.floor_multiplier = floor_multipliers(self.floor_multiplier, means, floors, scales,
@@ -361,7 +369,7 @@ class RewardRouter:
         self.weights, self.cos, self.residual = residual_weights(
             self.priors, self.gram, self.residual, active=epoch >= self.warmup, strength=self.strength,
             threshold=self.threshold, max_residual=self.max_residual, floor_multiplier=self.floor_multiplier,
-            secure=secure, violated=(self.floor_multiplier > 0) | self.protected if self.floor_gate != "none" else None,
+            secure=secure, violated=self.floor_multiplier > 0 if self.floor_gate != "none" else None,
             gate=self.floor_gate)
 
     def state_dict(self) -> dict:
