@@ -183,9 +183,6 @@ class RoutingConfig:
     # trains get weight 0 there (a CRPO-style priority): none | all | conflicts (only those whose gradient
     # opposes it there: a negative reward-gradient interaction)
     floor_gate: str = "none"
-    # essential rewards: their floor multiplier starts at 1 at the end of warm-up, so the floor gate holds
-    # for them from then on until they have gained one warm-up std over their floor (summed over epochs)
-    protect: list[str] = field(default_factory=list)
     # (i) cross-modal influence: per-token loss weights (u / mean u)^token_alpha and gradient scales
     # of the cross-modal attention modules clip(u_l / mean u, layer_scale_min, layer_scale_max)
     influence: bool = False
@@ -384,10 +381,6 @@ def check_values(config: RunConfig, where: str = "config") -> None:
         ("routing.floor_gate", config.routing.floor_gate == "none"
          or (config.routing.reweight and config.routing.floor_strength > 0),
          "needs routing.reweight=true and routing.floor_strength > 0 (it acts while a reward is below its floor)"),
-        ("routing.protect", set(config.routing.protect) <= set(config.reward.weights),
-         f"names components that reward.weights does not weight: {sorted(set(config.routing.protect) - set(config.reward.weights))}"),
-        ("routing.protect", not config.routing.protect or config.routing.floor_gate != "none",
-         "needs routing.floor_gate all or conflicts (protected rewards act through the gate)"),
         ("routing.concerns", set(config.routing.concerns) <= set(config.reward.weights),
          f"names components that reward.weights does not weight: {sorted(set(config.routing.concerns) - set(config.reward.weights))}"),
         ("routing.concerns", all(b and set(b) <= {"video", "audio"} for b in config.routing.concerns.values()),

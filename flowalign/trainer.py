@@ -755,8 +755,7 @@ class Trainer:
         router = RewardRouter(self._reward_weights(), concerns, warmup=r.warmup, strength=r.strength,
                               threshold=r.threshold, max_residual=r.max_residual, gram_decay=r.gram_decay,
                               floor_strength=r.floor_strength if r.reweight else 0.0, floor_max=r.floor_max,
-                              floor_gates_residual=r.floor_gates_residual, floor_gate=r.floor_gate,
-                              protected=torch.tensor([name in r.protect for name in names]))
+                              floor_gates_residual=r.floor_gates_residual, floor_gate=r.floor_gate)
         self._layer_scales: dict[str, float] = {}
         self._layer_sums: dict[str, list[float]] = {}
         self._probe_due = True  # the reward-gradient Gram is measured on each epoch's first minibatch

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from flowalign.objectives.av_routing import (PROTECTED_DEBT, RewardRouter, branch_advantages, branch_contrasts, floor_gate,
+from flowalign.objectives.av_routing import (RewardRouter, branch_advantages, branch_contrasts, floor_gate,
                                              floor_multipliers, interaction_gram, layer_gradient_scales, psd_part,
                                              residual_weights, response_ratio, routed_nft_loss, routed_priors,
                                              token_weights)
@@ -273,32 +273,3 @@ def test_router_gates_conflicts_while_the_floor_multiplier_is_positive():
     # back above its floor: λ = 0.5 − 1·(0.6 − 0.5)/0.1 < 0 → 0, the priors return
     assert torch.allclose(router_weights("conflicts", fell + [[0.6, 0.6]]), torch.ones(1, 2))
 
-
-def test_a_protected_reward_starts_in_debt_and_is_gated_for_until_it_has_paid_it_back():
-    gram = torch.tensor([[[1.0, -0.5, 0.2], [-0.5, 1.0, 0.1], [0.2, 0.1, 1.0]]])  # (sync, text-video, quality)
-
-    def router_after(sync_means: list[float], warmup: int = 2) -> RewardRouter:
-        router = RewardRouter(torch.ones(3), torch.ones(1, 3, dtype=torch.bool), warmup=warmup, strength=0.0,
-                              threshold=0.3, max_residual=4.0, gram_decay=0.0, floor_strength=1.0,
-                              floor_gate="all", protected=torch.tensor([True, False, False]))
-        for epoch, m in enumerate(sync_means, 1):  # floors from the warm-up: 0.5 each, std 0.1
-            router.observe(gram)
-            router.observe_rewards(torch.tensor([m, 0.5, 0.5]), torch.full((3,), 0.1), torch.full((3,), 10.0))
-            router.end_epoch(epoch)
-        return router
-
-    assert torch.equal(router_after([0.5]).weights, torch.ones(1, 3))  # warm-up: the priors
-    at_warmup_end = router_after([0.5, 0.5])
-    assert at_warmup_end.floor_multiplier.tolist() == [PROTECTED_DEBT, 0.0, 0.0]
-    assert torch.equal(at_warmup_end.weights, torch.tensor([[1.0, 0.0, 0.0]]))  # gated before it ever fell
-    # at its floor the debt stays (λ step 0): still gated; 0.6 = one std above it pays λ = 1 back: the priors return
-    assert torch.equal(router_after([0.5, 0.5, 0.5]).weights, torch.tensor([[1.0, 0.0, 0.0]]))
-    assert torch.allclose(router_after([0.5, 0.5, 0.5, 0.6]).weights, torch.ones(1, 3))
-    # unprotected, the same rewards never gate
-    plain = RewardRouter(torch.ones(3), torch.ones(1, 3, dtype=torch.bool), warmup=2, strength=0.0, threshold=0.3,
-                         max_residual=4.0, gram_decay=0.0, floor_strength=1.0, floor_gate="all")
-    for epoch in (1, 2, 3):
-        plain.observe(gram)
-        plain.observe_rewards(torch.full((3,), 0.5), torch.full((3,), 0.1), torch.full((3,), 10.0))
-        plain.end_epoch(epoch)
-    assert torch.equal(plain.weights, torch.ones(1, 3))

@@ -71,10 +71,6 @@ def test_routing_needs_per_reward_advantages_an_av_family_and_known_components(t
         av_config(tiny_av_dir, tmp_path, "routing.reweight=true", "routing.floor_gate=sync")
     with pytest.raises(ConfigError, match="routing.floor_gate.*floor_strength > 0"):
         av_config(tiny_av_dir, tmp_path, "routing.reweight=true", "routing.floor_gate=all", "routing.floor_strength=0")
-    with pytest.raises(ConfigError, match=r"routing.protect.*\['synch'\]"):
-        av_config(tiny_av_dir, tmp_path, "routing.reweight=true", "routing.floor_gate=conflicts", "routing.protect=[synch]")
-    with pytest.raises(ConfigError, match="routing.protect.*needs routing.floor_gate"):
-        av_config(tiny_av_dir, tmp_path, "routing.reweight=true", "routing.protect=[sync]")
     with pytest.raises(ConfigError, match="audio-video"):
         Trainer(load_config(None, [f"output_dir={tmp_path}", f"model.path={tiny_sd3_dir}", "tracker=none",
                                    "method=diffusion_nft", "routing.influence=true"]))

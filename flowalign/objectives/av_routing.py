@@ -75,10 +75,6 @@ import torch
 
 from flowalign.objectives.diffusion_nft import weighted_error
 
-# λ of a protected reward at the end of warm-up: it must gain one warm-up std over its floor, summed over
-# epochs (λ's step is the shortfall in warm-up stds), before the rewards that compete with it train again
-PROTECTED_DEBT = 1.0
-
 
 def routed_priors(priors: torch.Tensor, concerns: torch.Tensor) -> torch.Tensor:
     """W0[b, k] = p_k where reward k concerns branch b. priors: [K]; concerns: bool [M, K] → [M, K]."""
@@ -297,8 +293,6 @@ class RewardRouter:
     """The state of routing over a run: priors W0 [M, K], the Gram's EMA [M, K, K], the current
     weights W [M, K] and each cross-modal module's mean response (an EMA, for its gradient scale).
 
-    ``protected`` (bool [K]): rewards whose floor multiplier starts at ``PROTECTED_DEBT`` after warm-up,
-    so the floor gate holds for them until their surplus over the floor has paid it back.
     ``observe`` adds one minibatch's interaction Gram [M, K, K] (``interaction_gram`` per branch);
     ``observe_rewards`` the epoch's per-reward training mean and std [K]; ``end_epoch(epoch)`` folds
     the epoch's Gram into the EMA, during warm-up accumulates the reward floors, and from epoch
@@ -308,8 +302,7 @@ class RewardRouter:
 
     def __init__(self, priors: torch.Tensor, concerns: torch.Tensor, *, warmup: int, strength: float,
                  threshold: float, max_residual: float, gram_decay: float, floor_strength: float = 0.0,
-                 floor_max: float = 10.0, floor_gates_residual: bool = False, floor_gate: str = "none",
-                 protected: torch.Tensor | None = None):
+                 floor_max: float = 10.0, floor_gates_residual: bool = False, floor_gate: str = "none"):
         self.priors = routed_priors(priors, concerns)
         self.weights = self.priors.clone()
         self.cos = torch.zeros_like(self.priors)
@@ -322,7 +315,6 @@ class RewardRouter:
         self.floor_strength, self.floor_max = floor_strength, floor_max
         self.floor_gates_residual, self.floor_gate = floor_gates_residual, floor_gate
         k = self.priors.shape[1]
-        self.protected = torch.zeros(k, dtype=torch.bool) if protected is None else protected.bool()
         self.floor_multiplier = torch.zeros(k)
         self.warmup_sums = torch.zeros(3, k)  # Σ n, Σ mean·n, Σ (std² + mean²)·n over the warm-up epochs
         self.epoch_rewards: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -356,9 +348,6 @@ class RewardRouter:
             means, stds, counts = self.epoch_rewards
             if epoch <= self.warmup:  # the rewards sampled under W0
                 self.warmup_sums += torch.stack([counts, means * counts, (stds**2 + means**2) * counts])
-                if epoch == self.warmup:  # a protected reward starts in debt: secured before the others compete
-                    self.floor_multiplier = torch.where(self.protected, torch.tensor(PROTECTED_DEBT),
-                                                        self.floor_multiplier)
             else:
                 floors, scales = self.floors()
                 self.floor_multiplier = floor_multipliers(self.floor_multiplier, means, floors, scales,
