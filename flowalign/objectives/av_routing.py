@@ -46,8 +46,8 @@ CRPO (Xu et al., 2021) does for constrained RL: while λ_k > 0 (reward k below i
 the multiplier integrates shortfall minus surplus, which gives the switch hysteresis), the other
 rewards of each branch that carries k get weight 0 there and the rest their priors: with
 ``"all"`` every one of them, with ``"conflicts"`` those whose gradient opposes the violated rewards'
-on that branch, (G^b w_V)_j < 0 with w_V the weights of the rewards in violation. The priors
-return once λ_k is paid back to 0. On the audio-video world sync fell under every soft weighting,
+on that branch, (G^b w_V)_j < 0 with w_V the weights of the rewards in violation. The soft
+weights return once λ_k is paid back to 0. On the audio-video world sync fell under every soft weighting,
 while training on sync alone raised every component. (An output-space proxy, Σ_i ‖∂C_i/∂v_θ‖²·a_ik·a_ij, costs no backward pass but treats the
 samples' outputs as independent parameters: on the audio-video world it put every cosine at
 0.6–0.9 while sync fell under fixed weights, because the conflict lives in the shared weights.)
@@ -172,9 +172,9 @@ def floor_gate(weights: torch.Tensor, priors: torch.Tensor, gram: torch.Tensor, 
     rewards that do not compete with it: with "all" every other reward competes, with "conflicts"
     those whose gradient opposes the violated ones', (G w_V)_j < 0 with w_V = W masked to the
     violated rewards. The gated row is not rescaled and carries no residual or floor boost: as in
-    CRPO, a violated constraint gets a step of its own at its own weight, not an amplified one (with
-    the row's mass kept, sync alone trained at 3× its weight on the audio-video world and fell where
-    sync alone at its prior weight rose). Branches without a violated reward keep W. → [M, K]
+    CRPO, a violated constraint gets a step of its own at its own weight, not an amplified one (an
+    earlier rule kept the row's mass, which trained sync alone at 3× its weight; on the audio-video
+    world both rules gave the same results). Branches without a violated reward keep W. → [M, K]
     """
     if mode not in ("all", "conflicts"):
         raise ValueError(f"floor_gate: mode must be all or conflicts, got {mode!r}")
