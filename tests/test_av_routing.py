@@ -272,4 +272,3 @@ def test_router_gates_conflicts_while_the_floor_multiplier_is_positive():
     assert torch.equal(router_weights("conflicts", fell), torch.tensor([[0.0, 1.0]]))  # gated: sync alone, at its prior
     # back above its floor: λ = 0.5 − 1·(0.6 − 0.5)/0.1 < 0 → 0, the priors return
     assert torch.allclose(router_weights("conflicts", fell + [[0.6, 0.6]]), torch.ones(1, 2))
-

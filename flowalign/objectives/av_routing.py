@@ -47,10 +47,11 @@ the multiplier integrates shortfall minus surplus, which gives the switch hyster
 rewards of each branch that carries k get weight 0 there and the rest their priors: with
 ``"all"`` every one of them, with ``"conflicts"`` those whose gradient opposes the violated rewards'
 on that branch, (G^b w_V)_j < 0 with w_V the weights of the rewards in violation. The soft
-weights return once λ_k is paid back to 0. On the audio-video world sync fell under every soft weighting,
-while training on sync alone raised every component. (An output-space proxy, Σ_i ‖∂C_i/∂v_θ‖²·a_ik·a_ij, costs no backward pass but treats the
-samples' outputs as independent parameters: on the audio-video world it put every cosine at
-0.6–0.9 while sync fell under fixed weights, because the conflict lives in the shared weights.)
+weights return once λ_k is paid back to 0. On the audio-video world sync fell under every soft
+weighting, while training on sync alone raised every component. (An output-space proxy,
+Σ_i ‖∂C_i/∂v_θ‖²·a_ik·a_ij, costs no backward pass but treats the samples' outputs as independent
+parameters: on the audio-video world it put every cosine at 0.6–0.9 while sync fell under fixed
+weights, because the conflict lives in the shared weights.)
 
 **(i) Cross-modal influence-guided routing.** Each block's ``audio_to_video_attn`` (video tokens
 query audio) and ``video_to_audio_attn`` respond to the other modality; the response ratio
@@ -121,8 +122,7 @@ def residual_weights(
     max_residual: float = 4.0,
     floor_multiplier: torch.Tensor | None = None,
     secure: torch.Tensor | None = None,
-    violated: torch.Tensor | None = None,
-    gate: str = "conflicts",
+    gate: str = "none",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One epoch's update of the routing: (W [M, K], cos [M, K], residual ρ [M, K]).
 
@@ -136,8 +136,9 @@ def residual_weights(
     ``floor_multiplier``: λ [K] of ``floor_multipliers``, added to every row's residual (W ∝ W0·(1 + ρ + λ)).
     ``secure``: bool [K], rewards at or above their floor: their step is clipped at 0, so a low
     cosine does not boost a reward that is not falling (the residual goes to those that are).
-    ``violated``: bool [K], rewards below their floor: ``floor_gate`` (mode ``gate``) switches off
-    the other rewards of their branches (after the residuals; cos is measured before the gate).
+    ``gate`` ("none" | "all" | "conflicts"): ``floor_gate`` switches off the rewards that compete
+    with those below their floor (λ > 0) on their branches (after the residuals; cos is measured
+    before the gate).
     """
     extra = torch.zeros(priors.shape[1]) if floor_multiplier is None else floor_multiplier.float()
 
@@ -158,7 +159,8 @@ def residual_weights(
     floor = torch.where(routed_mask, residual, torch.full_like(residual, float("inf"))).min(1, keepdim=True).values
     residual = ((residual - floor.clamp(min=0)).clamp(min=0.0, max=max_residual)) * routed_mask
     weights = routed(residual)
-    if violated is not None and violated.any():
+    violated = extra > 0
+    if gate != "none" and violated.any():
         weights = floor_gate(weights, priors, gram, violated, gate)
     return weights, cos, residual
 
@@ -358,8 +360,7 @@ class RewardRouter:
         self.weights, self.cos, self.residual = residual_weights(
             self.priors, self.gram, self.residual, active=epoch >= self.warmup, strength=self.strength,
             threshold=self.threshold, max_residual=self.max_residual, floor_multiplier=self.floor_multiplier,
-            secure=secure, violated=self.floor_multiplier > 0 if self.floor_gate != "none" else None,
-            gate=self.floor_gate)
+            secure=secure, gate=self.floor_gate)
 
     def state_dict(self) -> dict:
         return {"weights": self.weights, "cos": self.cos, "gram": self.gram, "residual": self.residual, "seen": self._seen,
