@@ -42,6 +42,12 @@ Components, each a float [B] in [0, 1] (a true clip scores 1 on every one):
   ball is within ``WALL_TOL`` px of a wall along its dominant axis of motion (the axis with the
   larger variance; the caption is not consulted). No onsets or no visual events: 0. Shifting a
   clip's audio by k frames moves each onset by k: a single-bounce clip then scores 1 − k / 3.
+* ``sync_soft`` (a training signal, not part of ``score``): ``sync`` with a soft wall touch. With
+  g the ball's closest approach to a wall (px, along the same axis), the events are the frames at
+  gap ≤ max(g, ``WALL_TOL``) and the score is reach × (1 − d̄ / ``SYNC_TOL``)₊, reach =
+  clip(1 − (g − ``WALL_TOL``) / ``REACH_TOL``, 0, 1). It equals ``sync`` on every clip whose ball
+  touches a wall; a clip whose ball turns short of the walls, which ``sync`` scores 0 whatever its
+  audio, scores the alignment of its onsets with the closest approach, discounted by the shortfall.
 * ``score``: the mean of the five (the default single reward).
 """
 
@@ -61,6 +67,7 @@ MAX_COLOR_DIST = 0.35  # a foreground pixel is at most this far from its ball co
 MIN_AREA = 3  # foreground pixels for a frame to have a ball
 WALL_TOL = 1.0  # px: a tracked ball this close to a wall touches it
 SYNC_TOL = 3.0  # frames: a mean onset offset of this much scores 0
+REACH_TOL = 2.0  # px: sync_soft reaches 0 for a ball that stops this far beyond WALL_TOL from the walls
 SPEED_TOL = 2.0  # px per frame: the gap between the two speeds
 ONSET_WINDOW = 16  # samples
 ONSET_FLOOR = 0.1  # RMS below which a window is silent
@@ -186,19 +193,24 @@ def text_audio(audio: torch.Tensor, metadata: list[dict]) -> torch.Tensor:
     return torch.where(total > 1e-8, want / total.clamp(min=1e-12), torch.zeros_like(total))
 
 
-def visual_events(track: dict[str, torch.Tensor]) -> list[list[float]]:
-    """Per sample the frames at which the tracked ball touches a wall along its dominant axis."""
+def wall_gaps(track: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
+    """Per sample float [F]: the tracked ball's distance to the nearer wall along its dominant axis
+    of motion (inf where undetected); None when fewer than two frames have a ball."""
     out = []
     for detected, pos in zip(track["detected"], track["position"]):
         seen = pos[detected]
         if len(seen) < 2:
-            out.append([])
+            out.append(None)
             continue
-        axis = int(seen.var(0, unbiased=False).argmax())
-        along = pos[:, axis]
-        touch = detected & ((along <= WALL_TOL) | (along >= TRAVEL - WALL_TOL))
-        out.append(torch.nonzero(touch).flatten().float().tolist())
+        along = pos[:, int(seen.var(0, unbiased=False).argmax())]
+        out.append(torch.where(detected, torch.minimum(along, TRAVEL - along), torch.tensor(math.inf)))
     return out
+
+
+def visual_events(track: dict[str, torch.Tensor]) -> list[list[float]]:
+    """Per sample the frames at which the tracked ball touches a wall along its dominant axis."""
+    return [[] if gap is None else torch.nonzero(gap <= WALL_TOL).flatten().float().tolist()
+            for gap in wall_gaps(track)]
 
 
 def mean_onset_offset(events: list[float], onsets: list[float]) -> float:
@@ -216,6 +228,20 @@ def sync(track: dict[str, torch.Tensor], audio: torch.Tensor) -> torch.Tensor:
     return torch.tensor([max(0.0, 1 - d / SYNC_TOL) for d in offsets], dtype=torch.float32)
 
 
+def sync_soft(track: dict[str, torch.Tensor], audio: torch.Tensor) -> torch.Tensor:
+    """``sync`` with a soft wall touch (module docstring): float [B], equal to ``sync`` where the ball touches."""
+    out = []
+    for gap, onsets in zip(wall_gaps(track), audio_onsets(audio)):
+        if gap is None:
+            out.append(0.0)
+            continue
+        closest = gap.min().item()
+        events = torch.nonzero(gap <= max(closest, WALL_TOL)).flatten().float().tolist()
+        reach = min(1.0, max(0.0, 1 - (closest - WALL_TOL) / REACH_TOL))
+        out.append(reach * max(0.0, 1 - mean_onset_offset(events, onsets) / SYNC_TOL))
+    return torch.tensor(out, dtype=torch.float32)
+
+
 @register_reward("audio_video")
 class AudioVideoReward(Reward):
     """The audio-video world's rewards (module docstring), one component each, plus their mean.
@@ -228,7 +254,7 @@ class AudioVideoReward(Reward):
     ([1.0, 1.0], 1.0)
     """
 
-    components = (*COMPONENTS, "score")
+    components = (*COMPONENTS, "score", "sync_soft")
     modality = "audio_video"
 
     def __call__(self, samples, prompts: list[str], metadata: list[dict]) -> dict[str, torch.Tensor]:
@@ -241,4 +267,5 @@ class AudioVideoReward(Reward):
                "text_video": text_video(track, metadata), "text_audio": text_audio(audio, metadata),
                "sync": sync(track, audio)}
         out["score"] = torch.stack([out[k] for k in COMPONENTS]).mean(0)
+        out["sync_soft"] = sync_soft(track, audio)
         return out

@@ -67,7 +67,7 @@ def test_true_clips_score_one_on_every_component():
     specs = [s for s in all_specs() for _ in range(2)]
     video, audio, meta = clip_batch(specs, random.Random(0))
     out = AudioVideoReward()(AudioVideoSamples(video, audio[:, None], 512, 8.0), [m["prompt"] for m in meta], meta)
-    assert set(out) == {*COMPONENTS, "score"}
+    assert set(out) == {*COMPONENTS, "score", "sync_soft"}
     for name, values in out.items():
         assert values.shape == (len(specs),)
         assert torch.allclose(values, torch.ones_like(values), atol=1e-5), name
@@ -82,6 +82,7 @@ def test_shifting_the_audio_by_k_frames_costs_k_over_three(k):
     assert audio_onsets(audio) == [[3.0 + k]]
     out = _score(video, audio, spec)
     assert out["sync"].item() == pytest.approx(max(0.0, 1 - abs(k) / 3))
+    assert out["sync_soft"].item() == out["sync"].item()  # the ball touches a wall: the soft touch changes nothing
     assert out["text_audio"].item() == pytest.approx(1.0) and out["audio_quality"].item() == pytest.approx(1.0)
 
 
@@ -92,6 +93,17 @@ def test_sync_is_the_symmetric_mean_offset_with_several_events():
     # events → nearest onset: 1, 1, 2 (mean 4/3); onsets → nearest event: 1, 1 (mean 1)
     assert mean_onset_offset([1, 4, 7], [2, 5]) == pytest.approx((4 / 3 + 1) / 2)
     assert _score(video, audio, spec)["sync"].item() == pytest.approx(1 - 7 / 18)
+
+
+@pytest.mark.parametrize("closest, beep_at, soft", [(2, 3, 0.5), (2, 4, 0.5 * (1 - 1 / 3)), (3, 3, 0.0), (1, 3, 1.0)])
+def test_sync_soft_scores_a_ball_that_turns_short_of_the_walls(closest, beep_at, soft):
+    spec = _spec(speed="slow", axis="horizontal", color="red", pitch="low")
+    along = [8, 6, 4, closest, 4, 6, 8, 9]  # nearest a wall (closest px) at frame 3 only
+    video = torch.from_numpy(render_video(spec["color"], np.stack([along, np.full(FRAMES, 5)], 1)))[None]
+    out = _score(video, torch.from_numpy(render_audio(spec["pitch"], [beep_at]))[None], spec)
+    # reach = 1 − (closest − 1) / 2: ½ at 2 px, 0 at 3 px; the one event is frame 3, the one onset beep_at
+    assert out["sync_soft"].item() == pytest.approx(soft)
+    assert out["sync"].item() == (soft if closest <= 1 else 0.0)  # sync needs a touch (≤ 1 px)
 
 
 def test_wrong_pitch_fails_text_audio_only():
