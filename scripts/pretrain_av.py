@@ -113,7 +113,7 @@ def flow_loss(pipe: AVPipeline, specs: list[dict], rng: random.Random, g: torch.
 @torch.no_grad()
 def quick_eval(pipe: AVPipeline, n_seeds: int = 2, steps: int = 16) -> dict[str, float]:
     """Mean ``audio_video`` components over the test prompts × ``n_seeds`` (ODE, guidance 1)."""
-    from reward_models.audio_video import AudioVideoReward, sync, track_ball, visual_events
+    from reward_models.audio_video import AudioVideoReward, audio_onsets, sync, track_ball, visual_events
 
     specs = [s for s in prompt_split("test") for _ in range(n_seeds)]
     noise = torch.cat([torch.randn((1, pipe.joint_layout.numel), generator=torch.Generator().manual_seed(k % n_seeds))
@@ -124,7 +124,10 @@ def quick_eval(pipe: AVPipeline, n_seeds: int = 2, steps: int = 16) -> dict[str,
     other_seed = torch.arange(len(specs)).view(-1, n_seeds).roll(1, dims=1).flatten()  # same prompt, next seed
     track = track_ball(samples.video)
     scores["coupling"] = scores["sync"] - sync(track, samples.audio.flatten(1)[other_seed])
-    scores["no_touch"] = torch.tensor([float(not events) for events in visual_events(track)])  # sync 0 whatever the audio
+    touch = torch.tensor([bool(events) for events in visual_events(track)])
+    scores["no_touch"] = (~touch).float()  # sync 0 whatever the audio
+    scores["sync_given_touch"] = scores["sync"][touch]
+    scores["onsets"] = torch.tensor([float(len(o)) for o in audio_onsets(samples.audio.mean(1))])
     return {**{k: round(v.mean().item(), 4) for k, v in scores.items()}, "video_informs_audio": video_informs_audio(pipe)}
 
 

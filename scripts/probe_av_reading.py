@@ -5,6 +5,7 @@
     OMP_NUM_THREADS=2 python scripts/probe_av_reading.py conditional pipelines/demo_models/av-demo \\
         --out runs/av-stage1 --minutes 5
     python scripts/probe_av_reading.py coupling pipelines/demo_models/av-demo [--order joint]
+    python scripts/probe_av_reading.py coupling av-demo --weights runs/av-nft/final --steps 10
 
 ``losses``: the audio flow loss with a clean video, the clip's own vs another clip's of the same
 prompt, at several audio noise levels (``pretrain_av.audio_loss_own_vs_other_video``); equal
@@ -13,8 +14,9 @@ losses mean the audio ignores the video.
 ``coupling``: ``pretrain_av.quick_eval`` of the model over the test prompts × ``--seeds``
 (``--steps`` ODE steps): every reward component, ``coupling`` (sync minus sync against another
 seed's audio of the same prompt), ``no_touch`` (the fraction of clips whose video shows no wall
-touch: sync 0 whatever the audio) and ``video_informs_audio``, sampled in the model's own order
-or ``--order``'s.
+touch: sync 0 whatever the audio), ``sync_given_touch`` (mean sync of the other clips),
+``onsets`` (audio onsets per clip) and ``video_informs_audio``, sampled in the model's own order
+or ``--order``'s; ``--weights`` fuses a run's trained weights (its ``final/``) in first.
 
 ``conditional``: trains only the case where the video alone can tell when to beep (clean video,
 audio at σ_a ~ U(``--sigma-min``, 1), audio loss only, the model's weights, constant lr, no EMA),
@@ -35,6 +37,7 @@ import torch
 
 from flowalign.worlds.audio_video import clip_batch, sample_specs
 from pipelines.av_demo import AVPipeline
+from pipelines.base import resolve_model_path
 from pretrain_av import audio_loss_own_vs_other_video, quick_eval, stage_record, video_informs_audio
 
 
@@ -68,7 +71,7 @@ def train_conditional(pipe: AVPipeline, minutes: float, lr: float, sigma_min: fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("probe", choices=["losses", "coupling", "conditional"])
-    parser.add_argument("model", help="a saved AVPipeline folder")
+    parser.add_argument("model", help="a saved AVPipeline folder or a built-in demo name (av-demo)")
     parser.add_argument("--sigmas", default="0.3,0.6,0.9,0.95,0.98,1.0", help="losses: audio noise levels")
     parser.add_argument("--out", help="conditional: where to save the trained model")
     parser.add_argument("--minutes", type=float, default=5.0)
@@ -80,8 +83,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16, help="coupling: sampling steps")
     parser.add_argument("--order", choices=["joint", "video_first"], default=None,
                         help="coupling: sample in this order instead of the model's own")
+    parser.add_argument("--weights", default=None, help="coupling: a run's trained weights (its final/)")
     args = parser.parse_args()
-    pipe = AVPipeline.from_pretrained(args.model)
+    if args.weights:
+        from pipelines import load_adapter
+
+        pipe = load_adapter("av_demo", args.model, trained=args.weights).pipe
+    else:
+        pipe = AVPipeline.from_pretrained(resolve_model_path(args.model))
     if args.probe == "losses":
         for sigma in (float(s) for s in args.sigmas.split(",")):
             own, other = audio_loss_own_vs_other_video(pipe, sigma)
@@ -91,7 +100,7 @@ def main() -> None:
         pipe.set_progress_bar_config(disable=True)
         if args.order:
             pipe.set_sampling_order(args.order)
-        print(json.dumps({"model": args.model, "order": pipe.sampling_order, "steps": args.steps,
+        print(json.dumps({"model": args.model, "weights": args.weights, "order": pipe.sampling_order, "steps": args.steps,
                           **quick_eval(pipe, n_seeds=args.seeds, steps=args.steps)}))
         return
     if not args.out:
