@@ -1,6 +1,6 @@
 """Pre-train the chess-puzzle masked-diffusion model on the shared Lichess puzzles.
 
-    OMP_NUM_THREADS=1 python scripts/pretrain_chess.py --out pipelines/demo_models/chess-md
+    OMP_NUM_THREADS=1 python scripts/pretrain_chess.py --out pipelines/demo_models/chess-md   # ≈ 58 min on one core
 
 Data (``../shared/data/SOURCES.md``): each row's puzzle is the position after the setup move
 ``Moves[0]`` (the solver to move), its best move ``Moves[1]``, its themes the ``Themes`` keys that
@@ -120,7 +120,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="pipelines/demo_models/chess-md")
     parser.add_argument("--data", default=str(DEFAULT_PUZZLES))
-    parser.add_argument("--steps", type=int, default=1300)
+    parser.add_argument("--steps", type=int, default=4000)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=100)
@@ -131,7 +131,7 @@ def main() -> None:
     parser.add_argument("--uncond", type=float, default=0.1)
     parser.add_argument("--test-fraction", type=float, default=0.02)
     parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--eval-every", type=int, default=250)
+    parser.add_argument("--eval-every", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
