@@ -11,7 +11,8 @@ For each request in ``<model>/split.json`` (written by ``scripts/pretrain_chess.
 - with the ``chess_puzzle`` reward (Stockfish; skipped with ``--no-engine`` or when no engine is
   installed): ``unique``, ``theme_match``, ``theme_score``, ``yield`` (legal ∧ unique ∧
   theme-matching), ``partial_yield`` (unique × theme_score) and ``best_move`` (the sample's own
-  move tokens name the engine's first move), each the mean over samples (NaN = engine failure, left out and counted in ``engine_failed``);
+  move tokens name the engine's first move), each the mean over samples (NaN = engine failure,
+  left out and counted in ``engine_failed``);
 - diversity: ``distinct`` (distinct boards / samples, board = the first four FEN fields) and
   ``board_distance`` (mean over pairs of samples of one request of the fraction of the 64
   squares that differ).
