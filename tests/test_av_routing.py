@@ -32,6 +32,29 @@ def test_one_branch_with_uniform_tokens_is_plain_diffusion_nft():
     assert torch.allclose(g_plain, g_routed, atol=1e-7)
 
 
+@pytest.mark.parametrize("waiting", [False, True])
+def test_the_same_r_on_every_branch_is_plain_diffusion_nft(waiting):
+    # two branches of unequal size (6 + 4 elements); ``waiting``: a video-first sample whose second
+    # stream waits (x0 = x_t and velocity 0 there), so only the first has an error
+    v, v_old, x_t, x0, t = _batch(seed=3)
+    masks = torch.zeros(2, 10, dtype=torch.bool)
+    masks[0, :6], masks[1, 6:] = True, True
+    if waiting:
+        keep = masks[0].float()
+        v = (v * keep).detach().requires_grad_(True)
+        v_old, x0 = v_old * keep, torch.where(masks[0], x0, x_t)
+    r = torch.tensor([0.2, 0.5, 0.9])
+    plain, _ = diffusion_nft_loss(v, v_old, x_t, x0, t, r, beta=1.0)
+    routed, _ = routed_nft_loss(v, v_old, x_t, x0, t, r[:, None].expand(3, 2), masks, beta=1.0)
+    assert routed.item() == pytest.approx(plain.item(), rel=1e-6)
+    (g_plain,) = torch.autograd.grad(plain, v)
+    (g_routed,) = torch.autograd.grad(routed, v)
+    torch.testing.assert_close(g_routed, g_plain)
+    if waiting:  # the moving branch trains at the full unrouted rate, not at its share of the elements
+        only_video, _ = routed_nft_loss(v, v_old, x_t, x0, t, torch.stack([r, torch.zeros(3)], 1), masks, beta=1.0)
+        assert only_video.item() == pytest.approx(plain.item(), rel=1e-6)
+
+
 def test_each_branch_trains_only_on_its_own_advantage():
     v, v_old, x_t, x0, t = _batch()
     masks = torch.zeros(2, 10, dtype=torch.bool)

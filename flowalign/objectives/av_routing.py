@@ -224,10 +224,8 @@ def layer_gradient_scales(layer_influence: torch.Tensor, low: float = 0.25, high
 
 
 def _branch_errors(x0_hat_pos, x0_hat_neg, x0, masks, elem_weight):
-    """(positive, negative) weighted errors per branch: ``weighted_error`` over each mask, [B, M] each."""
-    pos = torch.stack([weighted_error(x0_hat_pos, x0, m, elem_weight) for m in masks], 1)
-    neg = torch.stack([weighted_error(x0_hat_neg, x0, m, elem_weight) for m in masks], 1)
-    return pos, neg
+    """(positive, negative) ``weighted_error`` split by branch, [B, M] each."""
+    return weighted_error(x0_hat_pos, x0, masks, elem_weight), weighted_error(x0_hat_neg, x0, masks, elem_weight)
 
 
 def _implicit_x0(v_theta, v_old, x_t, t, beta):
@@ -242,8 +240,7 @@ def branch_contrasts(v_theta, v_old, x_t, x0, t, masks, *, beta: float,
     """C_i^b: what r_i^b multiplies in sample i's loss (``routed_nft_loss`` = mean_i Σ_b [N + r·C]),
     with its graph to v_θ. Arguments as ``routed_nft_loss``'s. Returns [B, M]."""
     pos, neg = _branch_errors(*_implicit_x0(v_theta, v_old, x_t, t, beta), x0.float(), masks, elem_weight)
-    share = masks.flatten(1).sum(1).float() / masks[0].numel()  # n_b / n
-    return share * (pos - neg) / beta
+    return (pos - neg) / beta
 
 
 def routed_nft_loss(
@@ -265,10 +262,13 @@ def routed_nft_loss(
 
     v_theta (with grad), v_old, x_t, x0: [B, D...]; t: [B]; r: [B, M] per branch; masks: bool
     [M, D...] partitioning the elements; elem_weight: [B, D...] token weights (mean 1 per branch;
-    None: uniform); weight: [B] in {0, 1} (samples that train). Per branch b the errors are
-    averaged over its elements and divided by the detached mean|error| over them (the adaptive
-    weight of ``diffusion_nft_loss``); branch losses are summed with weights n_b / n (each
-    element counts once, as in the unrouted loss). Returns (loss, stats).
+    None: uniform); weight: [B] in {0, 1} (samples that train). This is ``diffusion_nft_loss``
+    with each element's optimality probability its branch's: branch b's squared errors are
+    summed over its elements and divided by the detached mean|error| over *all* the sample's
+    elements (the adaptive weight), so with the same r on every branch the loss is the unrouted
+    one, for any layout. (Normalising each branch by its own errors and summing with weights
+    n_b / n, as a first version did, trains a video-first sample's moving stream at its element
+    share: the av-demo's audio at 512 / 6,656 of the unrouted rate.) Returns (loss, stats).
     """
     if beta <= 0:
         raise ValueError(f"DiffusionNFT needs beta > 0, got {beta}")
@@ -277,8 +277,7 @@ def routed_nft_loss(
     weight = torch.ones(x0.shape[0], device=x0.device) if weight is None else weight.float()
     denom = weight.sum().clamp(min=1.0)
     pos, neg = _branch_errors(*_implicit_x0(v_theta, v_old, x_t, t, beta), x0.float(), masks, elem_weight)
-    share = masks.flatten(1).sum(1).float() / masks[0].numel()
-    per_sample = (share * (r * pos + (1 - r) * neg)).sum(1) / beta
+    per_sample = (r * pos + (1 - r) * neg).sum(1) / beta
     stats = {f"r_branch{b}": (r[:, b] * weight).sum() / denom for b in range(len(masks))}
     policy_loss = (per_sample * weight).sum() / denom
     loss, kl = policy_loss, torch.zeros((), device=x0.device)

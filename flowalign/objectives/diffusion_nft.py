@@ -27,18 +27,19 @@ def optimality_probability(advantages: torch.Tensor, advantage_max: float) -> to
     return (advantages / advantage_max).clamp(-1.0, 1.0) / 2 + 0.5
 
 
-def weighted_error(x0_hat: torch.Tensor, x0: torch.Tensor, mask: torch.Tensor | None = None,
+def weighted_error(x0_hat: torch.Tensor, x0: torch.Tensor, masks: torch.Tensor | None = None,
                    elem_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """‖x̂0 − x0‖² / detached mean|x̂0 − x0|, both means over the elements of ``mask`` (all when None),
-    the squared errors weighted by ``elem_weight``. x0_hat, x0, elem_weight: [B, ...]; mask: bool
-    [...] (one sample's shape). Returns [B]."""
+    """mean ‖x̂0 − x0‖² / detached mean|x̂0 − x0|, both means over all elements, the squared errors
+    weighted by ``elem_weight``. x0_hat, x0, elem_weight: [B, ...] → [B]. With ``masks`` (bool
+    [M, ...], M parts partitioning one sample's elements) the numerator is split by part: [B, M],
+    summing over M to the unsplit error. The normaliser stays the whole sample's, so a part with no
+    error (the waiting stream of a video-first sample) takes no weight from the others."""
     err = (x0_hat.float() - x0.float()).flatten(1)
     sq = err**2 if elem_weight is None else elem_weight.float().flatten(1) * err**2
-    if mask is None:
-        return sq.mean(1) / err.detach().abs().mean(1).clamp(min=1e-5)
-    m = mask.flatten().to(err.dtype)
-    n = m.sum()
-    return (sq * m).sum(1) / n / ((err.detach().abs() * m).sum(1) / n).clamp(min=1e-5)
+    scale = err.detach().abs().mean(1).clamp(min=1e-5)  # [B]
+    if masks is None:
+        return sq.mean(1) / scale
+    return sq @ masks.flatten(1).to(sq.dtype).T / sq.shape[1] / scale[:, None]
 
 
 def diffusion_nft_loss(
