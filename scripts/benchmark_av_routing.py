@@ -54,9 +54,15 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(COMPONENTS), figsize=(4 * len(COMPONENTS), 3.6))
+    colours, repeats = {}, {}  # one colour per configuration, one line style per training seed of it
     for name, r in results.items():
+        config = " ".join(w for w in name.split() if not w.startswith("train.seed="))
+        colour = colours.setdefault(config, f"C{len(colours) % 10}")
+        style = ("-", "--", ":", "-.")[repeats.get(config, 0) % 4]
+        repeats[config] = repeats.get(config, 0) + 1
         for ax, component in zip(axes, COMPONENTS):
-            ax.plot([p["minutes"] for p in r["points"]], [p[component] for p in r["points"]], marker="o", label=name)
+            ax.plot([p["minutes"] for p in r["points"]], [p[component] for p in r["points"]], marker="o",
+                    markersize=3, color=colour, linestyle=style, label=name)
     for ax, component in zip(axes, COMPONENTS):
         ax.set_title(component)
         ax.set_xlabel("training minutes")
