@@ -66,8 +66,9 @@ is a free proxy of how much the other modality drives that token. It is used twi
   (layers through which little cross-modal influence flows are updated less; the published LTX-2
   relative stops gradients in shallow audio→video layers, the limit s → 0).
 
-With one branch, uniform token weights and unit gradient scales, ``routed_nft_loss`` equals
-``diffusion_nft_loss`` (tested).
+With uniform token weights and unit gradient scales, ``routed_nft_loss`` with one branch, or with
+the same r on every branch, equals ``diffusion_nft_loss`` (tested; each branch's errors are
+normalised by the whole sample's, so a video-first sample's waiting stream takes no weight).
 """
 
 from __future__ import annotations
