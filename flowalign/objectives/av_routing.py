@@ -224,23 +224,21 @@ def layer_gradient_scales(layer_influence: torch.Tensor, low: float = 0.25, high
     return (u / u.mean().clamp(min=1e-12)).clamp(low, high)
 
 
-def _branch_errors(x0_hat_pos, x0_hat_neg, x0, masks, elem_weight):
-    """(positive, negative) ``weighted_error`` split by branch, [B, M] each."""
-    return weighted_error(x0_hat_pos, x0, masks, elem_weight), weighted_error(x0_hat_neg, x0, masks, elem_weight)
-
-
-def _implicit_x0(v_theta, v_old, x_t, t, beta):
-    """x̂0 of the implicit positive and negative policies v± (``diffusion_nft_loss``)."""
+def _branch_errors(v_theta, v_old, x_t, x0, t, masks, beta, elem_weight):
+    """``weighted_error`` of the implicit positive and negative policies' x̂0 (``diffusion_nft_loss``:
+    v± = β·v_θ + (1 − β)·v_old and (1 + β)·v_old − β·v_θ), split by branch: ([B, M], [B, M])."""
     tt = t.float().reshape(-1, *([1] * (x_t.ndim - 1)))
     v_old, v32, x_t = v_old.detach().float(), v_theta.float(), x_t.float()
-    return x_t - tt * (beta * v32 + (1 - beta) * v_old), x_t - tt * ((1 + beta) * v_old - beta * v32)
+    pos = x_t - tt * (beta * v32 + (1 - beta) * v_old)
+    neg = x_t - tt * ((1 + beta) * v_old - beta * v32)
+    return weighted_error(pos, x0.float(), masks, elem_weight), weighted_error(neg, x0.float(), masks, elem_weight)
 
 
 def branch_contrasts(v_theta, v_old, x_t, x0, t, masks, *, beta: float,
                      elem_weight: torch.Tensor | None = None) -> torch.Tensor:
     """C_i^b: what r_i^b multiplies in sample i's loss (``routed_nft_loss`` = mean_i Σ_b [N + r·C]),
     with its graph to v_θ. Arguments as ``routed_nft_loss``'s. Returns [B, M]."""
-    pos, neg = _branch_errors(*_implicit_x0(v_theta, v_old, x_t, t, beta), x0.float(), masks, elem_weight)
+    pos, neg = _branch_errors(v_theta, v_old, x_t, x0, t, masks, beta, elem_weight)
     return (pos - neg) / beta
 
 
@@ -277,7 +275,7 @@ def routed_nft_loss(
         raise ValueError("branch masks must partition the latent elements")
     weight = torch.ones(x0.shape[0], device=x0.device) if weight is None else weight.float()
     denom = weight.sum().clamp(min=1.0)
-    pos, neg = _branch_errors(*_implicit_x0(v_theta, v_old, x_t, t, beta), x0.float(), masks, elem_weight)
+    pos, neg = _branch_errors(v_theta, v_old, x_t, x0, t, masks, beta, elem_weight)
     per_sample = (r * pos + (1 - r) * neg).sum(1) / beta
     stats = {f"r_branch{b}": (r[:, b] * weight).sum() / denom for b in range(len(masks))}
     policy_loss = (per_sample * weight).sum() / denom
