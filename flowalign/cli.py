@@ -154,7 +154,13 @@ def cmd_eval(args) -> int:
     summary = evaluate(resolve_policies(args.policies), records, rewards, args.out, model=model, family=family,
                        seeds=_seeds(args), steps=args.steps, guidance=args.guidance, loading=loading)
     for label, entry in summary.items():
-        print(label + ": " + ", ".join(f"{k} {v:.4f}" for k, v in entry.items() if isinstance(v, float)))
+        cells = [f"{k} {v:.4f}" + (f" ({entry[k + '_change']:+.4f} ± {entry[k + '_change_se']:.4f})"
+                                   if k + "_change" in entry else "")
+                 for k, v in entry.items() if isinstance(v, float) and not k.endswith(("_change", "_change_se"))]
+        print(label + ": " + ", ".join(cells))
+    if len(summary) > 1:
+        print(f"(in brackets: the paired change against {next(iter(summary))} on the same prompts and seeds, "
+              "± its standard error)")
     print(f"wrote {args.out}/summary.json, summary.csv, samples.jsonl")
     return 0
 
@@ -245,7 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Every policy × prompt × seed is sampled (ODE) and scored by every reward. "
                                    "Results are appended to OUT/samples.jsonl as they come, so rerunning the "
                                    "same command resumes; OUT/summary.json and summary.csv hold the means "
-                                   "overall and per category.")
+                                   "overall and per category, and for every policy after the first its paired "
+                                   "change against the first (same prompts, same seeds) with a standard error: "
+                                   "list the base model first.")
     _add_model_args(p)
     _add_policy_args(p)
     p.add_argument("--prompts", default="shapes:test", help="shapes:test, a .txt or a .jsonl prompt file")

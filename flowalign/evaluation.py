@@ -7,6 +7,12 @@ so a cell of a grid or a row of a table differs between policies only through th
 ``evaluate`` appends one JSON line per scored sample to ``samples.jsonl`` as it goes and skips
 what is already there, so an interrupted evaluation resumes where it stopped; ``summary.json`` and
 ``summary.csv`` are rewritten from all lines at the end.
+
+Because the samples are paired, each policy after the first also gets its *paired change* against
+the first (usually the base model): the mean over the (prompt, seed) pairs both scored of
+(this − first), and its standard error sd / √n. Sampling noise shared by the pair cancels, so the
+change is far more precise than the difference of two means: a trained policy whose reward is
+level with the base reads as level, not as above or below by chance.
 """
 
 from __future__ import annotations
@@ -169,12 +175,17 @@ def _read_rows(path: Path) -> list[dict]:
 
 
 def summarize(rows: list[dict], order: list[str]) -> dict:
-    """{policy: {"samples": n, metric: mean, metric + "_by_category": {tag: mean}, metric + "_category_mean"}}"""
+    """{policy: {"samples": n, metric: mean, metric + "_by_category": {tag: mean}, metric + "_category_mean"}};
+    every policy after ``order[0]`` also gets "reference": order[0] and, per metric, metric + "_change" and
+    metric + "_change_se": ``paired_change`` against the reference's samples of the same (prompt, seed)."""
     summary = {}
+    reference = {(r["index"], r["seed"]): r for r in rows if order and r["policy"] == order[0]}
     for label in order:
         mine = [r for r in rows if r["policy"] == label]
         metrics = sorted({k for r in mine for k in r if "/" in k})
         entry: dict = {"samples": len(mine)}
+        if label != order[0]:
+            entry["reference"] = order[0]
         for metric in metrics:
             entry[metric] = _mean([r[metric] for r in mine])
             tags = sorted({r["tag"] for r in mine if r.get("tag")})
@@ -182,8 +193,23 @@ def summarize(rows: list[dict], order: list[str]) -> dict:
                 per = {t: _mean([r[metric] for r in mine if r.get("tag") == t]) for t in tags}
                 entry[f"{metric}_by_category"] = per
                 entry[f"{metric}_category_mean"] = sum(per.values()) / len(per)
+            if label != order[0]:
+                pairs = [(r.get(metric), reference[r["index"], r["seed"]].get(metric)) for r in mine
+                         if (r["index"], r["seed"]) in reference]
+                entry[f"{metric}_change"], entry[f"{metric}_change_se"] = paired_change(pairs)
         summary[label] = entry
     return summary
+
+
+def paired_change(pairs: list[tuple[float | None, float | None]]) -> tuple[float, float]:
+    """(mean of a − b, its standard error sd(a − b) / √n) over the pairs (a, b) where both are finite;
+    NaN where fewer than two pairs are."""
+    diffs = [a - b for a, b in pairs if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
+    if len(diffs) < 2:
+        return float("nan"), float("nan")
+    mean = sum(diffs) / len(diffs)
+    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return mean, math.sqrt(var / len(diffs))
 
 
 def _mean(values: list[float]) -> float:
@@ -198,12 +224,15 @@ def write_summary_csv(summary: dict, path: str | Path) -> None:
         writer.writerow(["policy", "metric", "category", "value"])
         for label, entry in summary.items():
             for key, value in entry.items():
-                if key == "samples":
+                if key in ("samples", "reference"):
                     continue
                 if isinstance(value, dict):
                     metric = key[: -len("_by_category")]
                     writer.writerows([label, metric, tag, v] for tag, v in value.items())
                 elif key.endswith("_category_mean"):
                     writer.writerow([label, key[: -len("_category_mean")], "category_mean", value])
+                elif key.endswith(("_change", "_change_se")):
+                    metric, _, what = key.rpartition("_change")
+                    writer.writerow([label, metric, f"change{what} vs {entry['reference']}", value])
                 else:
                     writer.writerow([label, key, "all", value])

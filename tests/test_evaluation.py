@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from flowalign.cli import main
-from flowalign.evaluation import load_policy, resolve_policies, sample_images
+from flowalign.evaluation import load_policy, paired_change, resolve_policies, sample_images, summarize
 from flowalign.trainer import Trainer
 from test_trainer import tiny_config
 
@@ -93,10 +93,19 @@ def test_eval_scores_two_rewards_per_category_and_resumes(tiny_run, tiny_sd3_dir
     assert len(rows) == 24 and len({(r["policy"], r["index"], r["seed"]) for r in rows}) == 24
     base_rows = [r for r in rows if r["policy"] == "base"]
     assert summary["base"]["shapes/score"] == pytest.approx(np.mean([r["shapes/score"] for r in base_rows]))
+    # the paired change of final against base, by hand from the sample lines
+    score = {(r["policy"], r["index"], r["seed"]): r["shapes/score"] for r in rows}
+    diffs = [score["final", i, s] - score["base", i, s] for _, i, s in score if _ == "base"]
+    assert "reference" not in summary["base"] and summary["final"]["reference"] == "base"
+    assert summary["final"]["shapes/score_change"] == pytest.approx(np.mean(diffs))
+    assert summary["final"]["shapes/score_change_se"] == pytest.approx(np.std(diffs, ddof=1) / np.sqrt(len(diffs)))
     with open(out / "summary.csv") as f:
         table = list(csv.DictReader(f))
     assert {r["policy"] for r in table} == {"base", "final"}
     assert any(r["metric"] == "shapes/accuracy" and r["category"] == "all" for r in table)
+    change = [r for r in table if r["metric"] == "shapes/score" and r["category"].startswith("change")]
+    assert {r["category"] for r in change} == {"change vs base", "change_se vs base"}
+    assert all(r["policy"] == "final" for r in change)
 
     # Interrupt: keep 7 lines and half of the 8th, as a crash mid-write leaves them; rerun resumes.
     lines = (out / "samples.jsonl").read_text().splitlines(keepends=True)
@@ -165,3 +174,17 @@ def test_spectrogram_strip_puts_a_tone_at_its_frequency():
         assert abs(brightest - expected) <= 2
     with pytest.raises(ValueError, match="cannot draw"):
         as_image_cells(torch.zeros(2, 3, 4))
+
+
+def test_paired_change_pairs_samples_by_prompt_and_seed():
+    rows = [{"policy": "base", "index": 0, "seed": 0, "r/x": 0.5}, {"policy": "base", "index": 0, "seed": 1, "r/x": 0.0},
+            {"policy": "base", "index": 1, "seed": 0, "r/x": 1.0}, {"policy": "base", "index": 1, "seed": 1, "r/x": 3.0},
+            # listed in another order; (1, 1) is NaN and (2, 0) has no base sample: both are left out
+            {"policy": "new", "index": 1, "seed": 0, "r/x": 2.0}, {"policy": "new", "index": 0, "seed": 1, "r/x": 0.0},
+            {"policy": "new", "index": 0, "seed": 0, "r/x": 1.0}, {"policy": "new", "index": 1, "seed": 1, "r/x": float("nan")},
+            {"policy": "new", "index": 2, "seed": 0, "r/x": 9.0}]
+    entry = summarize(rows, ["base", "new"])["new"]
+    # differences 0.5, 0.0, 1.0: mean 0.5, sd 0.5, standard error 0.5 / √3
+    assert entry["r/x_change"] == pytest.approx(0.5)
+    assert entry["r/x_change_se"] == pytest.approx(0.5 / np.sqrt(3))
+    assert all(np.isnan(paired_change([(1.0, 0.0)])))  # one pair has no standard error
