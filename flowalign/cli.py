@@ -43,7 +43,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", nargs="+", default=["base"], metavar="POLICY",
                    help="what to compare: 'base' (the untrained model), a run folder (each checkpoint, then "
-                        "final), a checkpoint folder, or a trained-weights folder (final/, LoRA or full)")
+                        "final), a checkpoint folder, or a trained-weights folder (final/, LoRA or full); "
+                        "LABEL=FOLDER names it in tables and grids")
 
 
 def _seeds(args) -> list[int]:

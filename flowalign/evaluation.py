@@ -37,7 +37,8 @@ class Policy:
 def resolve_policies(specs: list[str]) -> list[Policy]:
     """``base``, a weights folder, a checkpoint folder (its ``policy/``) or a run folder (every
     checkpoint in order, then ``final/``, which stands for the last checkpoint of a finished run).
-    Labels are short and unique: ``base``, ``epoch-20``, ``final``."""
+    Labels are short and unique: ``base``, ``epoch-20``, ``final``; ``LABEL=FOLDER`` names a
+    policy (a run's policies become ``LABEL/epoch-20``, ``LABEL/final``)."""
     from flowalign.trainer import checkpoint_folders
 
     policies = []
@@ -45,20 +46,26 @@ def resolve_policies(specs: list[str]) -> list[Policy]:
         if spec == "base":
             policies.append(Policy("base", None))
             continue
-        path = Path(spec).expanduser()
+        name, named, folder = spec.partition("=")
+        if not named or Path(spec).expanduser().exists():
+            name, folder = "", spec
+        path = Path(folder).expanduser()
         if not path.is_dir():
             raise FileNotFoundError(f"no such run, checkpoint or weights folder: {path.resolve()}")
+        found = []
         if (path / "checkpoints").is_dir() or (path / "final").is_dir():  # a run
             last = _final_epoch(path)  # its checkpoint holds the same weights as final/
             for ckpt in [c for c in checkpoint_folders(path / "checkpoints") if (c / "policy").is_dir()]:
                 if _epoch_label(ckpt) != last:
-                    policies.append(Policy(_epoch_label(ckpt), ckpt / "policy"))
+                    found.append(Policy(_epoch_label(ckpt), ckpt / "policy"))
             if (path / "final").is_dir():
-                policies.append(Policy("final", path / "final"))
+                found.append(Policy("final", path / "final"))
+            found = [Policy(f"{name}/{p.label}", p.weights) for p in found] if name else found
         elif (path / "policy").is_dir():  # one checkpoint
-            policies.append(Policy(_epoch_label(path), path / "policy"))
+            found.append(Policy(name or _epoch_label(path), path / "policy"))
         else:
-            policies.append(Policy(path.name, path))
+            found.append(Policy(name or path.name, path))
+        policies += found
     labels = [p.label for p in policies]
     if not policies:
         raise FileNotFoundError(f"no policies found in {specs}")
@@ -66,6 +73,10 @@ def resolve_policies(specs: list[str]) -> list[Policy]:
         policies = [Policy(f"{p.weights.parent.parent.name}/{p.label}" if p.weights and p.label.startswith("epoch")
                            else f"{p.weights.parent.name}/{p.label}" if p.weights else p.label, p.weights)
                     for p in policies]
+        labels = [p.label for p in policies]
+        if len(set(labels)) < len(labels):  # their samples would be pooled under one label
+            twice = sorted({label for label in labels if labels.count(label) > 1})
+            raise ValueError(f"policies {twice} have the same label; name them: LABEL=FOLDER")
     return policies
 
 

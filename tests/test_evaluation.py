@@ -31,6 +31,14 @@ def test_a_run_resolves_to_its_checkpoints_then_final(tiny_run, tmp_path):
     assert [p.label for p in resolve_policies([str(tiny_run / "checkpoints" / "epoch-000001")])] == ["epoch-1"]
     with pytest.raises(FileNotFoundError, match="no-such-run"):
         resolve_policies([str(tmp_path / "no-such-run")])
+    # named policies; two weights folders called final/ in folders of the same name cannot be told apart
+    named = resolve_policies([f"a={tiny_run}", f"b={tiny_run / 'final'}"])
+    assert [(p.label, p.weights) for p in named] == [("a/epoch-1", tiny_run / "checkpoints" / "epoch-000001" / "policy"),
+                                                     ("a/final", tiny_run / "final"), ("b", tiny_run / "final")]
+    for seed in (1, 2):
+        (tmp_path / f"s{seed}" / "run" / "final").mkdir(parents=True)
+    with pytest.raises(ValueError, match="LABEL=FOLDER"):
+        resolve_policies([str(tmp_path / f"s{seed}" / "run" / "final") for seed in (1, 2)])
 
 
 def test_final_equals_the_last_checkpoint_policy_and_differs_from_base(tiny_run, tiny_sd3_dir):
