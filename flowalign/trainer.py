@@ -758,7 +758,7 @@ class Trainer:
                               floor_gates_residual=r.floor_gates_residual, floor_gate=r.floor_gate)
         self._layer_scales: dict[str, float] = {}
         self._layer_sums: dict[str, list[float]] = {}
-        self._probe_due = True  # the reward-gradient Gram is measured on each epoch's first minibatch
+        self._probe_due = True  # the reward-gradient Gram, on an epoch's first minibatch (RewardRouter.needs_gram)
         if r.influence:  # each cross-modal module's gradients scaled by its influence (constant within an epoch)
             if not hasattr(self.adapter, "record_cross_modal"):
                 raise ConfigError(f"config: routing.influence reads the cross-modal attention during the forward "
@@ -849,7 +849,7 @@ class Trainer:
         mean = torch.where(n > 0, total / n.clamp(min=1), torch.full_like(n, float("nan")))
         router.observe_rewards(mean, (squares / n.clamp(min=1) - mean**2).clamp(min=0).sqrt(), n)
         router.end_epoch(self.epoch + 1)
-        self._probe_due = True
+        self._probe_due = router.needs_gram
         if self.config.routing.reweight:
             for b, branch in enumerate(BRANCHES):
                 for k, name in enumerate(names):
@@ -1206,6 +1206,7 @@ class Trainer:
             self.old.load_state_dict(loaded["old"])
         if self.router is not None:
             self.router.load_state_dict(loaded["routing"])
+            self._probe_due = self.router.needs_gram
             self._set_layer_scales()
         if self.explorer is not None:
             self.explorer.load_state_dict(loaded["explorer"][0])

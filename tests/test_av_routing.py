@@ -295,3 +295,41 @@ def test_router_gates_conflicts_while_the_floor_multiplier_is_positive():
     assert torch.equal(router_weights("conflicts", fell), torch.tensor([[0.0, 1.0]]))  # gated: sync alone, at its prior
     # back above its floor: λ = 0.5 − 1·(0.6 − 0.5)/0.1 < 0 → 0, the priors return
     assert torch.allclose(router_weights("conflicts", fell + [[0.6, 0.6]]), torch.ones(1, 2))
+
+
+def test_a_gate_that_holds_every_branch_skips_the_gram_and_an_unmeasured_epoch_keeps_it():
+    # rewards (video quality, audio quality, sync); sync concerns both branches and opposes video quality
+    gram = torch.tensor([[1.0, 0.0, -0.5], [0.0, 1.0, 0.0], [-0.5, 0.0, 1.0]]).expand(2, 3, 3).clone()
+    both = torch.tensor([[True, False, True], [False, True, True]])
+
+    def router(gate: str, concerns=both) -> RewardRouter:
+        return RewardRouter(torch.ones(3), concerns, warmup=1, strength=1.0, threshold=0.3, max_residual=4.0,
+                            gram_decay=0.5, floor_strength=1.0, floor_gate=gate)
+
+    def epoch(r: RewardRouter, n: int, sync: float, measure: bool = True) -> None:
+        if measure:
+            r.observe(gram)
+        r.observe_rewards(torch.tensor([0.6, 0.6, sync]), torch.full((3,), 0.1), torch.full((3,), 10.0))
+        r.end_epoch(n)
+
+    r = router("all")
+    epoch(r, 1, 0.5)  # warm-up: sync's floor 0.5
+    assert r.needs_gram
+    epoch(r, 2, 0.45)  # sync below its floor, λ = 0.5: both branches train sync alone, whatever the Gram
+    assert torch.equal(r.weights, torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]])) and not r.needs_gram
+    kept_gram, kept_residual = r.gram.clone(), r.residual.clone()
+    epoch(r, 3, 0.45, measure=False)
+    assert torch.equal(r.gram, kept_gram) and torch.equal(r.residual, kept_residual)
+    assert torch.equal(r.weights, torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]))
+    epoch(r, 4, 0.7, measure=False)  # back above: λ = 1 − 1·(0.7 − 0.5)/0.1 < 0 → 0, the gate opens
+    assert r.needs_gram and torch.equal(r.gram, kept_gram)
+    # a measured epoch folds the Gram into the average again: the residual steps on it
+    epoch(r, 5, 0.7)
+    assert torch.allclose(r.gram, kept_gram) and not torch.equal(r.residual, kept_residual)
+
+    # gates that leave a branch on its residuals, and no gate, keep measuring
+    video_sync = torch.tensor([[True, False, True], [False, True, False]])
+    for r in (router("all", video_sync), router("conflicts"), router("none")):
+        epoch(r, 1, 0.5)
+        epoch(r, 2, 0.45)
+        assert r.floor_multiplier[2] > 0 and r.needs_gram

@@ -47,7 +47,9 @@ the multiplier integrates shortfall minus surplus, which gives the switch hyster
 rewards of each branch that carries k get weight 0 there and the rest their priors: with
 ``"all"`` every one of them, with ``"conflicts"`` those whose gradient opposes the violated rewards'
 on that branch, (G^b w_V)_j < 0 with w_V the weights of the rewards in violation. The soft
-weights return once λ_k is paid back to 0. On the audio-video world sync fell under every soft
+weights return once λ_k is paid back to 0. While ``"all"`` gates every branch, W does not
+depend on the Gram, so the trainer does not measure it (``RewardRouter.needs_gram``) and the
+residuals wait for the next measurement. On the audio-video world sync fell under every soft
 weighting, while training on sync alone raised every component. (An output-space proxy,
 Σ_i ‖∂C_i/∂v_θ‖²·a_ik·a_ij, costs no backward pass but treats the samples' outputs as independent
 parameters: on the audio-video world it put every cosine at 0.6–0.9 while sync fell under fixed
@@ -297,7 +299,9 @@ class RewardRouter:
     ``observe_rewards`` the epoch's per-reward training mean and std [K]; ``end_epoch(epoch)`` folds
     the epoch's Gram into the EMA, during warm-up accumulates the reward floors, and from epoch
     ``warmup`` on updates the floor multipliers and recomputes W with ``residual_weights``
-    (before it W is W0).
+    (before it W is W0). ``needs_gram`` says whether the next epoch's W can depend on a Gram at
+    all: not while gate ``all`` holds every branch. An epoch without ``observe`` keeps the Gram
+    and the residuals as they were (nothing was measured to step them on).
     """
 
     def __init__(self, priors: torch.Tensor, concerns: torch.Tensor, *, warmup: int, strength: float,
@@ -318,10 +322,21 @@ class RewardRouter:
         self.floor_multiplier = torch.zeros(k)
         self.warmup_sums = torch.zeros(3, k)  # Σ n, Σ mean·n, Σ (std² + mean²)·n over the warm-up epochs
         self.epoch_rewards: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._seen = False
+        self._seen, self._measured = False, False
 
     def observe(self, gram: torch.Tensor) -> None:
         self.pending_gram += gram.detach().float().cpu()
+        self._measured = True
+
+    @property
+    def needs_gram(self) -> bool:
+        """False while gate ``all`` holds every branch (each carries a reward below its floor): W is
+        then the gated priors whatever the Gram, so measuring it (a batched backward pass per
+        branch, reward and half-minibatch) would be wasted."""
+        if self.floor_gate != "all":
+            return True
+        violated = self.floor_multiplier > 0
+        return not bool((self.priors[:, violated] > 0).any(1).all())
 
     def observe_rewards(self, means: torch.Tensor, stds: torch.Tensor, counts: torch.Tensor) -> None:
         """This epoch's training rewards: per component mean, std and number of valid samples [K]."""
@@ -340,9 +355,12 @@ class RewardRouter:
 
     def end_epoch(self, epoch: int) -> None:
         """epoch: the number of epochs finished."""
-        self.gram = self.pending_gram if not self._seen else \
-            self.gram_decay * self.gram + (1 - self.gram_decay) * self.pending_gram
-        self._seen, self.pending_gram = True, torch.zeros_like(self.gram)
+        measured, self._measured = self._measured, False
+        if measured:
+            self.gram = self.pending_gram if not self._seen else \
+                self.gram_decay * self.gram + (1 - self.gram_decay) * self.pending_gram
+            self._seen = True
+        self.pending_gram = torch.zeros_like(self.gram)
         secure = None
         if self.floor_strength > 0 and self.epoch_rewards is not None:
             means, stds, counts = self.epoch_rewards
@@ -355,8 +373,9 @@ class RewardRouter:
             if self.floor_gates_residual and epoch >= self.warmup:  # the floors are complete from here on
                 secure = means >= self.floors()[0]  # NaN (no valid sample): not secure
         self.epoch_rewards = None
-        self.weights, self.cos, self.residual = residual_weights(
-            self.priors, self.gram, self.residual, active=epoch >= self.warmup, strength=self.strength,
+        self.weights, self.cos, self.residual = residual_weights(  # strength 0: ρ stays (see needs_gram)
+            self.priors, self.gram, self.residual, active=epoch >= self.warmup,
+            strength=self.strength if measured else 0.0,
             threshold=self.threshold, max_residual=self.max_residual, floor_multiplier=self.floor_multiplier,
             secure=secure, gate=self.floor_gate)
 
