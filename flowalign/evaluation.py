@@ -10,9 +10,11 @@ what is already there, so an interrupted evaluation resumes where it stopped; ``
 
 Because the samples are paired, each policy after the first also gets its *paired change* against
 the first (usually the base model): the mean over the (prompt, seed) pairs both scored of
-(this − first), and its standard error sd / √n. Sampling noise shared by the pair cancels, so the
-change is far more precise than the difference of two means: a trained policy whose reward is
-level with the base reads as level, not as above or below by chance.
+(this − first), with a standard error. Sampling noise shared by the pair cancels, so the change is
+far more precise than the difference of two means: a trained policy whose reward is level with the
+base reads as level, not as above or below by chance. Every prompt of a seed starts from the same
+noise, so one seed's pairs are not independent draws: the standard error is clustered by seed
+(on the audio-video world it is 1.4–1.8× the one that treats every pair as independent).
 """
 
 from __future__ import annotations
@@ -205,22 +207,29 @@ def summarize(rows: list[dict], order: list[str]) -> dict:
                 entry[f"{metric}_by_category"] = per
                 entry[f"{metric}_category_mean"] = sum(per.values()) / len(per)
             if label != order[0]:
-                pairs = [(r.get(metric), reference[r["index"], r["seed"]].get(metric)) for r in mine
+                pairs = [(r.get(metric), reference[r["index"], r["seed"]].get(metric), r["seed"]) for r in mine
                          if (r["index"], r["seed"]) in reference]
                 entry[f"{metric}_change"], entry[f"{metric}_change_se"] = paired_change(pairs)
         summary[label] = entry
     return summary
 
 
-def paired_change(pairs: list[tuple[float | None, float | None]]) -> tuple[float, float]:
-    """(mean of a − b, its standard error sd(a − b) / √n) over the pairs (a, b) where both are finite;
-    NaN where fewer than two pairs are."""
-    diffs = [a - b for a, b in pairs if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
-    if len(diffs) < 2:
+def paired_change(pairs: list[tuple[float | None, float | None, object]]) -> tuple[float, float]:
+    """(mean m of a − b, its cluster-robust standard error) over the pairs (a, b, cluster) where a
+    and b are finite: var = G / (G − 1) · Σ_g (Σ_{i∈g} (d_i − m))² / n² over the G clusters (the
+    seeds). With one pair per cluster it is the textbook sd(a − b)² / n. NaN with fewer than two
+    clusters."""
+    diffs = [(a - b, c) for a, b, c in pairs
+             if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
+    clusters = {c for _, c in diffs}
+    if len(clusters) < 2:
         return float("nan"), float("nan")
-    mean = sum(diffs) / len(diffs)
-    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
-    return mean, math.sqrt(var / len(diffs))
+    mean = sum(d for d, _ in diffs) / len(diffs)
+    sums = dict.fromkeys(clusters, 0.0)
+    for d, c in diffs:
+        sums[c] += d - mean
+    g = len(clusters)
+    return mean, math.sqrt(g / (g - 1) * sum(v * v for v in sums.values())) / len(diffs)
 
 
 def _mean(values: list[float]) -> float:

@@ -102,11 +102,13 @@ def test_eval_scores_two_rewards_per_category_and_resumes(tiny_run, tiny_sd3_dir
     base_rows = [r for r in rows if r["policy"] == "base"]
     assert summary["base"]["shapes/score"] == pytest.approx(np.mean([r["shapes/score"] for r in base_rows]))
     # the paired change of final against base, by hand from the sample lines
+    # (seeds 0 and 1: two clusters, so the standard error is the spread of the two seeds' mean changes)
     score = {(r["policy"], r["index"], r["seed"]): r["shapes/score"] for r in rows}
-    diffs = [score["final", i, s] - score["base", i, s] for _, i, s in score if _ == "base"]
+    diffs = {s: [score["final", i, s] - score["base", i, s] for p, i, ss in score if p == "base" and ss == s]
+             for s in (0, 1)}
     assert "reference" not in summary["base"] and summary["final"]["reference"] == "base"
-    assert summary["final"]["shapes/score_change"] == pytest.approx(np.mean(diffs))
-    assert summary["final"]["shapes/score_change_se"] == pytest.approx(np.std(diffs, ddof=1) / np.sqrt(len(diffs)))
+    assert summary["final"]["shapes/score_change"] == pytest.approx(np.mean(diffs[0] + diffs[1]))
+    assert summary["final"]["shapes/score_change_se"] == pytest.approx(abs(np.mean(diffs[0]) - np.mean(diffs[1])) / 2)
     with open(out / "summary.csv") as f:
         table = list(csv.DictReader(f))
     assert {r["policy"] for r in table} == {"base", "final"}
@@ -192,7 +194,10 @@ def test_paired_change_pairs_samples_by_prompt_and_seed():
             {"policy": "new", "index": 0, "seed": 0, "r/x": 1.0}, {"policy": "new", "index": 1, "seed": 1, "r/x": float("nan")},
             {"policy": "new", "index": 2, "seed": 0, "r/x": 9.0}]
     entry = summarize(rows, ["base", "new"])["new"]
-    # differences 0.5, 0.0, 1.0: mean 0.5, sd 0.5, standard error 0.5 / √3
+    # differences 0.5 (seed 0), 0.0 (seed 1), 1.0 (seed 0): mean 0.5; clustered by seed, the residual
+    # sums are 0 + 0.5 (seed 0) and −0.5 (seed 1): var = 2/1 · (0.25 + 0.25) / 3², se = 1/3
     assert entry["r/x_change"] == pytest.approx(0.5)
-    assert entry["r/x_change_se"] == pytest.approx(0.5 / np.sqrt(3))
-    assert all(np.isnan(paired_change([(1.0, 0.0)])))  # one pair has no standard error
+    assert entry["r/x_change_se"] == pytest.approx(1 / 3)
+    # one pair per cluster: the textbook sd / √n (differences 0.5, 0.0, 1.0: sd 0.5)
+    assert paired_change([(1.0, 0.5, 0), (0.0, 0.0, 1), (2.0, 1.0, 2)])[1] == pytest.approx(0.5 / np.sqrt(3))
+    assert all(np.isnan(paired_change([(1.0, 0.0, 0), (2.0, 0.0, 0)])))  # one cluster: no standard error
