@@ -58,7 +58,8 @@ def plot(results: dict, path: Path) -> None:
     for name, r in results.items():
         config = " ".join(w for w in name.split() if not w.startswith("train.seed="))
         colour = colours.setdefault(config, f"C{len(colours) % 10}")
-        style = ("-", "--", ":", "-.")[repeats.get(config, 0) % 4]
+        styles = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))
+        style = styles[repeats.get(config, 0) % len(styles)]
         repeats[config] = repeats.get(config, 0) + 1
         for ax, component in zip(axes, COMPONENTS):
             ax.plot([p["minutes"] for p in r["points"]], [p[component] for p in r["points"]], marker="o",
