@@ -145,7 +145,7 @@ def cmd_grid(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from flowalign.evaluation import evaluate, resolve_policies
+    from flowalign.evaluation import evaluate, is_change_key, metric_cell, resolve_policies
     from flowalign.prompts import load_prompts
     from reward_models.base import build_reward
 
@@ -155,10 +155,8 @@ def cmd_eval(args) -> int:
     summary = evaluate(resolve_policies(args.policies), records, rewards, args.out, model=model, family=family,
                        seeds=_seeds(args), steps=args.steps, guidance=args.guidance, loading=loading)
     for label, entry in summary.items():
-        cells = [f"{k} {v:.4f}" + (f" ({entry[k + '_change']:+.4f} ± {entry[k + '_change_se']:.4f})"
-                                   if k + "_change" in entry else "")
-                 for k, v in entry.items() if isinstance(v, float) and not k.endswith(("_change", "_change_se"))]
-        print(label + ": " + ", ".join(cells))
+        print(label + ": " + ", ".join(f"{k} {metric_cell(entry, k)}" for k, v in entry.items()
+                                       if isinstance(v, float) and not is_change_key(k)))
     if len(summary) > 1:
         print(f"(in brackets: the paired change against {next(iter(summary))} on the same prompts and seeds, "
               "± its standard error)")

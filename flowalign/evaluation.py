@@ -232,6 +232,18 @@ def paired_change(pairs: list[tuple[float | None, float | None, object]]) -> tup
     return mean, math.sqrt(g / (g - 1) * sum(v * v for v in sums.values())) / len(diffs)
 
 
+def metric_cell(entry: dict, metric: str) -> str:
+    """"mean" of ``metric`` in a summary entry, with "(change ± se)" against the reference where there is one."""
+    text = f"{entry.get(metric, float('nan')):.4f}"
+    if f"{metric}_change" in entry:
+        text += f" ({entry[f'{metric}_change']:+.4f} ± {entry[f'{metric}_change_se']:.4f})"
+    return text
+
+
+def is_change_key(key: str) -> bool:
+    return key.endswith(("_change", "_change_se"))
+
+
 def _mean(values: list[float]) -> float:
     finite = [v for v in values if v is not None and math.isfinite(v)]
     return sum(finite) / len(finite) if finite else float("nan")
@@ -251,7 +263,7 @@ def write_summary_csv(summary: dict, path: str | Path) -> None:
                     writer.writerows([label, metric, tag, v] for tag, v in value.items())
                 elif key.endswith("_category_mean"):
                     writer.writerow([label, key[: -len("_category_mean")], "category_mean", value])
-                elif key.endswith(("_change", "_change_se")):
+                elif is_change_key(key):
                     metric, _, what = key.rpartition("_change")
                     writer.writerow([label, metric, f"change{what} vs {entry['reference']}", value])
                 else:

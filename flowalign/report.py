@@ -16,6 +16,8 @@ import json
 import math
 from pathlib import Path
 
+from flowalign.evaluation import is_change_key, metric_cell
+
 CURVE_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf", "#7f7f7f")
 
 
@@ -105,14 +107,6 @@ def _table(header: list[str], rows: list[list]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _with_change(entry: dict, metric: str) -> float | str:
-    """An evaluation cell: the mean, and the paired change against the reference policy where there is one."""
-    mean = entry.get(metric, float("nan"))
-    if f"{metric}_change" not in entry:
-        return mean
-    return f"{mean:.4f} ({entry[f'{metric}_change']:+.4f} ± {entry[f'{metric}_change_se']:.4f})"
-
-
 def _grouped_charts(scalars: dict[str, list[tuple[int, float]]]) -> list[str]:
     """One chart per tag prefix (reward/, train/, eval/ overall numbers), by-category evals apart."""
     groups: dict[str, dict[str, list]] = {}
@@ -165,8 +159,8 @@ def build_report(run_dir: str | Path, out: str | Path | None = None, eval_dirs: 
     for eval_dir in eval_dirs:
         summary = json.loads((Path(eval_dir) / "summary.json").read_text())
         metric_names = sorted({k for entry in summary.values() for k, v in entry.items()
-                               if isinstance(v, float) and not k.endswith(("_change", "_change_se"))})
-        rows = [[label, entry["samples"], *[_with_change(entry, m) for m in metric_names]]
+                               if isinstance(v, float) and not is_change_key(k)})
+        rows = [[label, entry["samples"], *[metric_cell(entry, m) for m in metric_names]]
                 for label, entry in summary.items()]
         sections.append(f"<h2>Evaluation: {html.escape(Path(eval_dir).name)}</h2>"
                         + _table(["policy", "samples", *metric_names], rows))
