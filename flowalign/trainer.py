@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 
 from flowalign.advantages import PerPromptStatTracker, combine_rewards, extremes_mask, group_advantages
 from flowalign.config import ConfigError, RunConfig, to_dict
+from flowalign.evaluation import paired_change
 from flowalign.grids import as_image_cells, save_grid, side_by_side, to_pil_grid
 from flowalign.objectives.av_routing import (RewardRouter, branch_advantages, branch_contrasts, interaction_gram,
                                              layer_gradient_scales, routed_nft_loss, token_weights)
@@ -978,8 +979,12 @@ class Trainer:
             result.update(grouped_board_diversity(latents, e.seeds))  # distinct, board_distance
         elif e.seeds > 1:
             result["latent_diversity"] = latent_diversity(latents, e.seeds)
+        before = self._paired_eval_samples(label, components)
         for name, values in components.items():
             result[name] = _nanmean(values)
+            if name in before and len(before[name]) == len(values):  # one noise per sample: each its own cluster
+                result[f"{name}_change"], result[f"{name}_change_se"] = paired_change(
+                    [(a, b, i) for i, (a, b) in enumerate(zip(values.tolist(), before[name].tolist()))])
             tags = sorted({spec.get("tag") for spec in specs if spec.get("tag")})
             if tags:
                 per = {tag: _nanmean(values[[sp.get("tag") == tag for sp in specs]]) for tag in tags}
@@ -987,6 +992,21 @@ class Trainer:
                 result[f"{name}_category_mean"] = sum(per.values()) / len(per)
         self._eval_grid(label, latents, specs)
         return result
+
+    def _paired_eval_samples(self, label: str, components: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Writes this evaluation's per-sample rewards to ``eval_samples/<label>.pt`` and returns the
+        "before" evaluation's ({} for "before" itself): the same noise, so each later evaluation
+        reports its paired change against it (``<component>_change`` ± ``_change_se``), across resumes."""
+        folder = self.out / "eval_samples"
+        folder.mkdir(parents=True, exist_ok=True)
+        _torch_save({k: v.float().cpu() for k, v in components.items()}, folder / f"{label}.pt")
+        path = folder / "before.pt"
+        if label == "before" or not path.is_file():
+            return {}
+        try:  # a damaged file costs the standard errors, not the run
+            return torch.load(path, weights_only=True, map_location="cpu")
+        except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError):
+            return {}
 
     def _eval_samples(self, specs: list[dict]) -> torch.Tensor:
         """Final samples of the held-out ``specs``, paired across evaluations: ODE sampling

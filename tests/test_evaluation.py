@@ -201,3 +201,17 @@ def test_paired_change_pairs_samples_by_prompt_and_seed():
     # one pair per cluster: the textbook sd / √n (differences 0.5, 0.0, 1.0: sd 0.5)
     assert paired_change([(1.0, 0.5, 0), (0.0, 0.0, 1), (2.0, 1.0, 2)])[1] == pytest.approx(0.5 / np.sqrt(3))
     assert all(np.isnan(paired_change([(1.0, 0.0, 0), (2.0, 0.0, 0)])))  # one cluster: no standard error
+
+
+def test_each_evaluation_reports_its_paired_change_against_before(tiny_run):
+    metrics = json.loads((tiny_run / "metrics.json").read_text())
+    before = torch.load(tiny_run / "eval_samples" / "before.pt")
+    after = torch.load(tiny_run / "eval_samples" / "after.pt")
+    assert not any(k.endswith("_change") for k in metrics["before"])
+    for name in ("accuracy", "score"):
+        diff = (after[name] - before[name]).double().numpy()  # the same noise per sample: one cluster each
+        assert name == "accuracy" or np.any(diff != 0)  # the training moved the continuous score
+        assert metrics["after"][f"{name}_change"] == pytest.approx(diff.mean())
+        assert metrics["after"][f"{name}_change_se"] == pytest.approx(diff.std(ddof=1) / np.sqrt(len(diff)))
+        assert metrics["after"][name] == pytest.approx(after[name].mean().item())
+    assert (tiny_run / "eval_samples" / "epoch-1.pt").is_file()  # eval.every=1: every evaluation is kept
