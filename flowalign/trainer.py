@@ -759,7 +759,7 @@ class Trainer:
                               floor_gates_residual=r.floor_gates_residual, floor_gate=r.floor_gate)
         self._layer_scales: dict[str, float] = {}
         self._layer_sums: dict[str, list[float]] = {}
-        self._probe_due = True  # the reward-gradient Gram, on an epoch's first minibatch (RewardRouter.needs_gram)
+        self._probe_due = True  # the reward-gradient Gram is measured on each epoch's first minibatch
         if r.influence:  # each cross-modal module's gradients scaled by its influence (constant within an epoch)
             if not hasattr(self.adapter, "record_cross_modal"):
                 raise ConfigError(f"config: routing.influence reads the cross-modal attention during the forward "
@@ -801,7 +801,7 @@ class Trainer:
             prob = optimality_probability(combined, t.advantage_clip)[:, None]
         loss, stats = routed_nft_loss(v_theta, v_old, x_t, x0, sigma, prob, masks, beta=t.nft_beta,
                                       elem_weight=elem_weight, v_ref=v_ref, kl_beta=t.kl_beta, weight=weight)
-        if r.reweight and self._probe_due:
+        if r.reweight and self._probe_due and self.router.needs_gram:
             self._probe_due = False
             self.router.observe(self._interaction_gram(v_theta, v_old, x_t, x0, sigma, masks, elem_weight,
                                                        optimality_probability(per_reward, t.advantage_clip) - 0.5,
@@ -850,7 +850,7 @@ class Trainer:
         mean = torch.where(n > 0, total / n.clamp(min=1), torch.full_like(n, float("nan")))
         router.observe_rewards(mean, (squares / n.clamp(min=1) - mean**2).clamp(min=0).sqrt(), n)
         router.end_epoch(self.epoch + 1)
-        self._probe_due = router.needs_gram
+        self._probe_due = True
         if self.config.routing.reweight:
             for b, branch in enumerate(BRANCHES):
                 for k, name in enumerate(names):
@@ -1003,9 +1003,9 @@ class Trainer:
         path = folder / "before.pt"
         if label == "before" or not path.is_file():
             return {}
-        try:  # a damaged file costs the standard errors, not the run
-            return torch.load(path, weights_only=True, map_location="cpu")
-        except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError):
+        try:
+            return _read_torch(path)
+        except CheckpointError:  # a damaged file costs the standard errors, not the run
             return {}
 
     def _eval_samples(self, specs: list[dict]) -> torch.Tensor:
@@ -1226,7 +1226,6 @@ class Trainer:
             self.old.load_state_dict(loaded["old"])
         if self.router is not None:
             self.router.load_state_dict(loaded["routing"])
-            self._probe_due = self.router.needs_gram
             self._set_layer_scales()
         if self.explorer is not None:
             self.explorer.load_state_dict(loaded["explorer"][0])
