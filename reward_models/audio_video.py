@@ -25,7 +25,13 @@ Components, each a float [B] in [0, 1] (a true clip scores 1 on every one):
 * ``video_quality`` = mean of (a) palette fidelity: mean over pixels of
   max(0, 1 − d / ``PALETTE_TOL``), d the RGB distance to the nearest palette colour; (b) ball
   crispness: mean over frames of min(A, 12) / max(A, 12), A the foreground area (0 without a
-  ball); (c) no flicker: the fraction of frames whose ball has the clip's majority colour.
+  ball); (c) no flicker: the fraction of frames whose ball has the clip's majority colour;
+  (d) physical motion (the world's physics: a ball reaches a wall in every clip and turns only
+  there; since 2026-12-06, before which a ball turning in mid-air could score 1): ½·(reach + turns),
+  reach = clip(1 − (g − ``WALL_TOL``) / ``REACH_TOL``, 0, 1) with g the ball's closest approach to
+  a wall along its dominant axis of motion, turns = the mean of the same discount over the gaps at
+  the frames where the ball reverses along that axis (both steps ≥ ``TURN_MIN`` px; 1 without a
+  reversal); 0 without a tracked ball.
 * ``audio_quality`` = spectral purity × loudness: purity = the energy of the strongest band over
   the total energy (1 for one pure tone; noise, clicks and a second pitch lower it); loudness =
   min(1, largest window RMS / (½·the beep's RMS)) (silence scores 0).
@@ -67,7 +73,8 @@ MAX_COLOR_DIST = 0.35  # a foreground pixel is at most this far from its ball co
 MIN_AREA = 3  # foreground pixels for a frame to have a ball
 WALL_TOL = 1.0  # px: a tracked ball this close to a wall touches it
 SYNC_TOL = 3.0  # frames: a mean onset offset of this much scores 0
-REACH_TOL = 2.0  # px: sync_soft reaches 0 for a ball that stops this far beyond WALL_TOL from the walls
+REACH_TOL = 2.0  # px: a ball turning or stopping this far beyond WALL_TOL from the walls scores 0 reach
+TURN_MIN = 0.5  # px: a reversal needs steps at least this long on both sides (tracking jitter is not a turn)
 SPEED_TOL = 2.0  # px per frame: the gap between the two speeds
 ONSET_WINDOW = 16  # samples
 ONSET_FLOOR = 0.1  # RMS below which a window is silent
@@ -151,7 +158,27 @@ def video_quality(track: dict[str, torch.Tensor]) -> torch.Tensor:
     crisp = torch.where(track["detected"], crisp, torch.zeros_like(crisp)).mean(1)
     majority = track["color_counts"].sum(1).argmax(-1)  # [B]
     steady = (track["color"] == majority[:, None]).float().mean(1)
-    return (track["palette_fidelity"] + crisp + steady) / 3
+    return (track["palette_fidelity"] + crisp + steady + physical_motion(track)) / 4
+
+
+def _reach(gap: torch.Tensor) -> torch.Tensor:
+    """Wall gaps (px) → 1 within WALL_TOL, falling linearly to 0 at REACH_TOL beyond it (same shape)."""
+    return 1 - ((gap - WALL_TOL) / REACH_TOL).clamp(0, 1)
+
+
+def physical_motion(track: dict[str, torch.Tensor]) -> torch.Tensor:
+    """float [B]: ½·(reach + turns) (module docstring, video quality (d))."""
+    out = []
+    for gap, along in zip(wall_gaps(track), _dominant_positions(track)):
+        if gap is None:
+            out.append(0.0)
+            continue
+        step = along[1:] - along[:-1]  # NaN next to an undetected frame: no reversal there
+        before, after = step[:-1], step[1:]
+        turning = (before * after < 0) & (before.abs() >= TURN_MIN) & (after.abs() >= TURN_MIN)
+        turns = _reach(gap[1:-1][turning]).mean().item() if turning.any() else 1.0
+        out.append(0.5 * (_reach(gap.min()).item() + turns))
+    return torch.tensor(out, dtype=torch.float32)
 
 
 def audio_quality(audio: torch.Tensor) -> torch.Tensor:
@@ -193,18 +220,22 @@ def text_audio(audio: torch.Tensor, metadata: list[dict]) -> torch.Tensor:
     return torch.where(total > 1e-8, want / total.clamp(min=1e-12), torch.zeros_like(total))
 
 
-def wall_gaps(track: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
-    """Per sample float [F]: the tracked ball's distance to the nearer wall along its dominant axis
-    of motion (inf where undetected); None when fewer than two frames have a ball."""
+def _dominant_positions(track: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
+    """Per sample float [F]: the tracked position along the axis of larger variance (NaN where
+    undetected); None when fewer than two frames have a ball."""
     out = []
     for detected, pos in zip(track["detected"], track["position"]):
         seen = pos[detected]
-        if len(seen) < 2:
-            out.append(None)
-            continue
-        along = pos[:, int(seen.var(0, unbiased=False).argmax())]
-        out.append(torch.where(detected, torch.minimum(along, TRAVEL - along), torch.tensor(math.inf)))
+        out.append(pos[:, int(seen.var(0, unbiased=False).argmax())] if len(seen) >= 2 else None)
     return out
+
+
+def wall_gaps(track: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
+    """Per sample float [F]: the tracked ball's distance to the nearer wall along its dominant axis
+    of motion (inf where undetected); None when fewer than two frames have a ball."""
+    return [None if along is None else
+            torch.where(along.isnan(), torch.tensor(math.inf), torch.minimum(along, TRAVEL - along))
+            for along in _dominant_positions(track)]
 
 
 def visual_events(track: dict[str, torch.Tensor]) -> list[list[float]]:
@@ -237,8 +268,7 @@ def sync_soft(track: dict[str, torch.Tensor], audio: torch.Tensor) -> torch.Tens
             continue
         closest = gap.min().item()
         events = torch.nonzero(gap <= max(closest, WALL_TOL)).flatten().float().tolist()
-        reach = min(1.0, max(0.0, 1 - (closest - WALL_TOL) / REACH_TOL))
-        out.append(reach * max(0.0, 1 - mean_onset_offset(events, onsets) / SYNC_TOL))
+        out.append(_reach(gap.min()).item() * max(0.0, 1 - mean_onset_offset(events, onsets) / SYNC_TOL))
     return torch.tensor(out, dtype=torch.float32)
 
 

@@ -12,7 +12,8 @@ from flowalign.worlds.audio_video import (AUDIO_SAMPLES, COLORS, FRAMES, PITCHES
                                           TRAVEL, all_specs, clip_batch, event_frames, generate_clip, prompt_split,
                                           render_audio, render_video, trajectory)
 from pipelines.joint import AudioVideoSamples
-from reward_models.audio_video import COMPONENTS, AudioVideoReward, audio_onsets, mean_onset_offset
+from reward_models.audio_video import (COMPONENTS, AudioVideoReward, audio_onsets, mean_onset_offset, physical_motion,
+                                       track_ball)
 from reward_models.base import available_rewards, build_reward
 
 
@@ -106,6 +107,24 @@ def test_sync_soft_scores_a_ball_that_turns_short_of_the_walls(closest, beep_at,
     assert out["sync"].item() == (soft if closest <= 1 else 0.0)  # sync needs a touch (≤ 1 px)
 
 
+@pytest.mark.parametrize("along, reach, turns", [
+    ([8, 6, 4, 2, 4, 6, 8, 9], 0.5, 0.5),     # turns at 2 px: reach and the turn both ½
+    ([8, 6, 4, 3, 4, 6, 8, 9], 0.0, 0.0),     # turns at 3 px: both 0
+    ([10, 8, 6, 4, 2, 1, 3, 5], 1.0, 1.0),    # turns at 1 px (= WALL_TOL): physical
+    ([0, 2, 4, 6, 8, 6, 4, 2], 1.0, 0.0),     # touches at frame 0, then turns in mid-air (4 px from a wall)
+    ([0, 2, 4, 6, 8, 10, 10, 10], 1.0, 1.0),  # stops without turning: no reversal to judge
+    ([6, 6, 6, 6, 7, 7, 7, 7], 0.0, 1.0),     # never reaches a wall (jitter below TURN_MIN is no turn)
+    ([4, 12, 4, 12, 4, 12, 7, 5], 1.0, 0.6),  # five turns: three at a wall (12), two at 4 px; 7 → 5 is no reversal
+])
+def test_video_quality_scores_physical_motion(along, reach, turns):
+    spec = _spec(speed="slow", axis="horizontal", color="red", pitch="low")
+    video = torch.from_numpy(render_video(spec["color"], np.stack([along, np.full(FRAMES, 5)], 1)))[None]
+    out = _score(video, torch.from_numpy(render_audio(spec["pitch"], [3]))[None], spec)
+    # palette, crispness and colour are perfect: video quality = (3 + ½·(reach + turns)) / 4
+    assert physical_motion(track_ball(video)).item() == pytest.approx(0.5 * (reach + turns))
+    assert out["video_quality"].item() == pytest.approx((3 + 0.5 * (reach + turns)) / 4)
+
+
 def test_wrong_pitch_fails_text_audio_only():
     spec = _spec(speed="slow", axis="horizontal", color="red", pitch="high")
     video, audio, _ = _clip(spec, start=0, direction=1, pitch="low")
@@ -134,7 +153,7 @@ def test_noise_silence_and_blank_video_score_low():
     silent = _score(video, torch.zeros_like(audio), spec)
     assert silent["audio_quality"].item() == 0 and silent["text_audio"].item() == 0 and silent["sync"].item() == 0
     blank = _score(torch.full_like(video, 245 / 255), audio, spec)
-    assert blank["video_quality"].item() == pytest.approx(1 / 3, abs=1e-3)  # palette fine, no ball, no colour
+    assert blank["video_quality"].item() == pytest.approx(1 / 4, abs=1e-3)  # palette fine, no ball, colour or motion
     assert blank["text_video"].item() == 0 and blank["sync"].item() == 0
 
 
