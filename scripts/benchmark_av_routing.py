@@ -13,7 +13,9 @@ prompts (ODE):
 
 Writes ``<out>/av_routing.json`` and ``<out>/av_routing.png`` (each component against minutes)
 and prints a Markdown table: every component before → after per arm, the sync gain over the
-fixed arm's, and whether any component ended below its baseline. Runs one arm after another: do
+fixed arm's, and which components ended below their baseline: paired against the "before"
+evaluation (the same noise), a change below −2 standard errors (a point comparison for results
+recorded without the paired change). Runs one arm after another: do
 not run anything else on the machine.
 """
 
@@ -42,7 +44,8 @@ def run_arm(name: str, minutes: float, eval_every: int, out: Path, extra: list[s
                                   f"train.max_minutes={minutes}"])
     summary = Trainer(config).train()
     points = sorted(({"label": label, "minutes": result.get("train_seconds", 0.0) / 60,
-                      **{c: result[c] for c in COMPONENTS}} for label, result in summary["evals"].items()),
+                      **{k: result[k] for c in COMPONENTS for k in (c, f"{c}_change", f"{c}_change_se")
+                         if k in result}} for label, result in summary["evals"].items()),
                     key=lambda p: p["minutes"])
     return {"overrides": ARMS[name] + extra, "epochs": summary["epochs"], "points": points}
 
@@ -76,16 +79,24 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def ended_below(last: dict, first: dict) -> list[str]:
+    """The components whose paired change is below −2 standard errors (``last[c + "_change"]``; a point
+    comparison last < first where the change was not recorded)."""
+    return [c for c in COMPONENTS if (last[f"{c}_change"] < -2 * last[f"{c}_change_se"] if f"{c}_change" in last
+                                      else last[c] < first[c])]
+
+
 def table(results: dict) -> str:
     fixed_sync = results.get("fixed", {}).get("points", [{}])[-1].get("sync")
-    rows = ["| arm | epochs | " + " | ".join(COMPONENTS) + " | sync gain − fixed's | below baseline |",
-            "|---|---|" + "---|" * len(COMPONENTS) + "---|---|"]
+    rows = ["| arm | epochs | " + " | ".join(COMPONENTS) + " | sync paired change | sync gain − fixed's | below baseline |",
+            "|---|---|" + "---|" * len(COMPONENTS) + "---|---|---|"]
     for name, r in results.items():
         first, last = r["points"][0], r["points"][-1]
-        below = [c for c in COMPONENTS if last[c] < first[c]]
+        below = ended_below(last, first)
         gain = "" if fixed_sync is None else f"{(last['sync'] - first['sync']) - (fixed_sync - first['sync']):+.3f}"
+        paired = f"{last['sync_change']:+.3f} ± {last['sync_change_se']:.3f}" if "sync_change" in last else ""
         rows.append(f"| {name} | {r['epochs']} | " + " | ".join(f"{first[c]:.3f} → {last[c]:.3f}" for c in COMPONENTS)
-                    + f" | {gain} | {', '.join(below) or 'none'} |")
+                    + f" | {paired} | {gain} | {', '.join(below) or 'none'} |")
     return "\n".join(rows)
 
 
