@@ -266,9 +266,9 @@ def sync_soft(track: dict[str, torch.Tensor], audio: torch.Tensor) -> torch.Tens
         if gap is None:
             out.append(0.0)
             continue
-        closest = gap.min().item()
-        events = torch.nonzero(gap <= max(closest, WALL_TOL)).flatten().float().tolist()
-        out.append(_reach(gap.min()).item() * max(0.0, 1 - mean_onset_offset(events, onsets) / SYNC_TOL))
+        closest = gap.min()
+        events = torch.nonzero(gap <= max(closest.item(), WALL_TOL)).flatten().float().tolist()
+        out.append(_reach(closest).item() * max(0.0, 1 - mean_onset_offset(events, onsets) / SYNC_TOL))
     return torch.tensor(out, dtype=torch.float32)
 
 
