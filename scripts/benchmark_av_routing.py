@@ -13,7 +13,7 @@ prompts (ODE):
 
 Writes ``<out>/av_routing.json`` and ``<out>/av_routing.png`` (each component against minutes)
 and prints a Markdown table: every component before → after per arm, the sync gain over the
-fixed arm's, and which components ended below their baseline: paired against the "before"
+fixed arm's (of the same training seed), and which components ended below their baseline: paired against the "before"
 evaluation (the same noise), a change below −2 standard errors (a point comparison for results
 recorded without the paired change). Runs one arm after another: do
 not run anything else on the machine.
@@ -86,14 +86,22 @@ def ended_below(last: dict, first: dict) -> list[str]:
                                       else last[c] < first[c])]
 
 
+def fixed_arm(name: str, results: dict) -> dict | None:
+    """The fixed-weights arm to compare arm ``name`` with: "fixed", or in a merged table the fixed arm
+    of the same training seed (the same ``train.seed=`` word in its label)."""
+    seed = [w for w in name.split() if w.startswith("train.seed=")]
+    return next((r for other, r in results.items() if other.split()[0] == "fixed"
+                 and [w for w in other.split() if w.startswith("train.seed=")] == seed), None)
+
+
 def table(results: dict) -> str:
-    fixed_sync = results.get("fixed", {}).get("points", [{}])[-1].get("sync")
     rows = ["| arm | epochs | " + " | ".join(COMPONENTS) + " | sync paired change | sync gain − fixed's | below baseline |",
             "|---|---|" + "---|" * len(COMPONENTS) + "---|---|---|"]
     for name, r in results.items():
         first, last = r["points"][0], r["points"][-1]
         below = ended_below(last, first)
-        gain = "" if fixed_sync is None else f"{(last['sync'] - first['sync']) - (fixed_sync - first['sync']):+.3f}"
+        fixed = fixed_arm(name, results)
+        gain = "" if fixed is None else f"{last['sync'] - fixed['points'][-1]['sync']:+.3f}"
         paired = f"{last['sync_change']:+.3f} ± {last['sync_change_se']:.3f}" if "sync_change" in last else ""
         rows.append(f"| {name} | {r['epochs']} | " + " | ".join(f"{first[c]:.3f} → {last[c]:.3f}" for c in COMPONENTS)
                     + f" | {paired} | {gain} | {', '.join(below) or 'none'} |")
