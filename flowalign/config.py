@@ -183,9 +183,6 @@ class RoutingConfig:
     # trains get weight 0 there (a CRPO-style priority): none | all | conflicts (only those whose gradient
     # opposes it there: a negative reward-gradient interaction)
     floor_gate: str = "none"
-    # a reward whose per-frame components (<name>_f0, <name>_f1, ...: reward.kwargs {frames: true} for
-    # audio_video's sync) train the audio branch frame by frame, each frame with its own advantage
-    frame_credit: Optional[str] = None
     # (i) cross-modal influence: per-token loss weights (u / mean u)^token_alpha and gradient scales
     # of the cross-modal attention modules clip(u_l / mean u, layer_scale_min, layer_scale_max)
     influence: bool = False
@@ -384,9 +381,6 @@ def check_values(config: RunConfig, where: str = "config") -> None:
         ("routing.floor_gate", config.routing.floor_gate == "none"
          or (config.routing.reweight and config.routing.floor_strength > 0),
          "needs routing.reweight=true and routing.floor_strength > 0 (it acts while a reward is below its floor)"),
-        ("routing.frame_credit", config.routing.frame_credit is None
-         or (config.routing.reweight and config.routing.frame_credit in config.reward.weights),
-         f"needs routing.reweight=true and a component that reward.weights weights, got {config.routing.frame_credit!r}"),
         ("routing.concerns", set(config.routing.concerns) <= set(config.reward.weights),
          f"names components that reward.weights does not weight: {sorted(set(config.routing.concerns) - set(config.reward.weights))}"),
         ("routing.concerns", all(b and set(b) <= {"video", "audio"} for b in config.routing.concerns.values()),

@@ -51,8 +51,8 @@ from flowalign.advantages import PerPromptStatTracker, combine_rewards, extremes
 from flowalign.config import ConfigError, RunConfig, to_dict
 from flowalign.evaluation import paired_change
 from flowalign.grids import as_image_cells, save_grid, side_by_side, to_pil_grid
-from flowalign.objectives.av_routing import (RewardRouter, branch_advantages, branch_contrasts, frame_credit,
-                                             interaction_gram, layer_gradient_scales, routed_nft_loss, token_weights)
+from flowalign.objectives.av_routing import (RewardRouter, branch_advantages, branch_contrasts, interaction_gram,
+                                             layer_gradient_scales, routed_nft_loss, token_weights)
 from flowalign.objectives.diffusion_nft import diffusion_nft_loss, old_policy_decay, optimality_probability
 from flowalign.objectives.flow_grpo import flow_grpo_loss
 from flowalign.objectives.gdro import gdro_loss
@@ -569,8 +569,7 @@ class Trainer:
     def compute_advantages(self, batch: EpochBatch) -> tuple[torch.Tensor, dict]:
         """Group-normalised advantages over every process's samples (a group lives on one shard, its
         id is unique over all of them); returns this process's share: [B], or [B, C] with one
-        column per weighted reward (``train.per_reward_advantages``; then one per frame of
-        ``routing.frame_credit``'s reward), NaN where a sample must not
+        column per weighted reward (``train.per_reward_advantages``), NaN where a sample must not
         train: its reward was dropped, its advantage is not finite (``adv/nonfinite``), or it is
         not among its group's extremes (``train.keep_extremes``)."""
         acc, t = self.accelerator, self.config.train
@@ -595,8 +594,7 @@ class Trainer:
                                for k, tracker in enumerate(self.trackers)])
         else:
             # a sample dropped for one weighted component is dropped for all (combine_rewards' NaN)
-            columns = [torch.where(valid, gathered[name], float("nan"))
-                       for name in [*self.config.reward.weights, *self._frame_columns(gathered)]] \
+            columns = [torch.where(valid, gathered[name], float("nan")) for name in self.config.reward.weights] \
                 if t.per_reward_advantages else [rewards]
             advs = []
             for column in columns:
@@ -618,18 +616,6 @@ class Trainer:
         stats["adv/nonfinite"] = int(every[:, 0].sum())
         stats["adv/abs_mean"] = every[:, 1].mean().item()
         return local, stats
-
-    def _frame_columns(self, components: dict) -> list[str]:
-        """``routing.frame_credit``'s per-frame components, in frame order ([] without frame credit)."""
-        name = self.config.routing.frame_credit
-        if name is None:
-            return []
-        frames = [f"{name}_f{f}" for f in range(len(components)) if f"{name}_f{f}" in components]
-        if not frames:
-            raise ConfigError(f"config: routing.frame_credit={name!r} needs the reward's per-frame components "
-                              f"{name}_f0, {name}_f1, ...; {self.config.reward.name!r} returned none (audio_video: "
-                              f"reward.kwargs={{frames: true}})")
-        return frames
 
     def update_policy(self, batch: EpochBatch, advantages: torch.Tensor) -> dict:
         """Inner epochs over shuffled minibatches; one optimizer step per minibatch, gradients
@@ -805,22 +791,15 @@ class Trainer:
                 self._layer_sums[name][1] += 1
             elem_weight = layout.expand_tokens(token_weights(torch.stack(video).mean(0), r.token_alpha),
                                                token_weights(torch.stack(audio).mean(0), r.token_alpha))
-        n_rewards = len(self.config.reward.weights)
-        per_reward, per_frame = (adv[:, :n_rewards], adv[:, n_rewards:]) if adv.ndim == 2 else (adv[:, None], None)
-        segments = masks = torch.ones(1, layout.numel, dtype=torch.bool, device=x0.device)
+        per_reward = adv if adv.ndim == 2 else adv[:, None]
         if r.reweight:
-            segments = masks = self.adapter.branch_masks().to(x0.device)
-            branch_adv = branch_advantages(per_reward, self.router.weights.to(adv))
-            if r.frame_credit is not None:  # the audio branch trains frame by frame
-                a, k = BRANCHES.index("audio"), list(self.config.reward.weights).index(r.frame_credit)
-                frames = frame_credit(branch_adv[:, a], per_reward[:, k], per_frame, self.router.weights[a, k].item())
-                branch_adv = torch.cat([branch_adv[:, :a], frames, branch_adv[:, a + 1:]], dim=1)
-                segments = torch.cat([masks[:a], layout.audio_frame_masks(frames.shape[1], x0.device), masks[a + 1:]])
-            prob = optimality_probability(branch_adv, t.advantage_clip)
+            masks = self.adapter.branch_masks().to(x0.device)
+            prob = optimality_probability(branch_advantages(per_reward, self.router.weights.to(adv)), t.advantage_clip)
         else:
+            masks = torch.ones(1, layout.numel, dtype=torch.bool, device=x0.device)
             combined = per_reward @ self._reward_weights().to(adv) if adv.ndim == 2 else adv
             prob = optimality_probability(combined, t.advantage_clip)[:, None]
-        loss, stats = routed_nft_loss(v_theta, v_old, x_t, x0, sigma, prob, segments, beta=t.nft_beta,
+        loss, stats = routed_nft_loss(v_theta, v_old, x_t, x0, sigma, prob, masks, beta=t.nft_beta,
                                       elem_weight=elem_weight, v_ref=v_ref, kl_beta=t.kl_beta, weight=weight)
         if r.reweight and self._probe_due and self.router.needs_gram:
             self._probe_due = False

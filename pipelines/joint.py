@@ -81,17 +81,6 @@ class JointLayout:
         masks[1, self.video_size:] = True
         return masks
 
-    def audio_frame_masks(self, frames: int, device=None) -> torch.Tensor:
-        """bool [frames, D]: the audio elements of each of ``frames`` equal runs of audio tokens (the
-        audio tokens are in time order), e.g. one per video frame."""
-        if frames < 1 or self.audio_tokens % frames:
-            raise ValueError(f"{frames} frames do not split {self.audio_tokens} audio tokens evenly")
-        per = self.audio_size // frames
-        masks = torch.zeros(frames, self.numel, dtype=torch.bool, device=device)
-        for f in range(frames):
-            masks[f, self.video_size + f * per:self.video_size + (f + 1) * per] = True
-        return masks
-
     def token_ids(self, device=None) -> torch.Tensor:
         """long [D]: the token each element belongs to; video tokens 0..N_v−1, audio tokens N_v..N_v+N_a−1."""
         video = torch.arange(self.video_tokens, device=device).repeat_interleave(self.video_channels)

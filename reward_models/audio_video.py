@@ -55,9 +55,6 @@ Components, each a float [B] in [0, 1] (a true clip scores 1 on every one):
   touches a wall; a clip whose ball turns short of the walls, which ``sync`` scores 0 whatever its
   audio, scores the alignment of its onsets with the closest approach, discounted by the shortfall.
 * ``score``: the mean of the five (the default single reward).
-* ``sync_f0`` … ``sync_f7`` (only with ``frames=True``; training signals outside ``score``): sync's
-  credit frame by frame, for ``routing.frame_credit``: frame f's audio scores 1 when it starts a
-  beep (an onset in [f, f + 1)) exactly when the video touches a wall at frame f, else 0.
 """
 
 from __future__ import annotations
@@ -262,18 +259,6 @@ def sync(track: dict[str, torch.Tensor], audio: torch.Tensor) -> torch.Tensor:
     return torch.tensor([max(0.0, 1 - d / SYNC_TOL) for d in offsets], dtype=torch.float32)
 
 
-def frame_sync(track: dict[str, torch.Tensor], audio: torch.Tensor) -> torch.Tensor:
-    """float [B, F]: 1 where frame f's audio starts a beep exactly when its video touches a wall."""
-    frames = track["detected"].shape[1]
-    out = torch.zeros(len(audio), frames)
-    for i, (events, onsets) in enumerate(zip(visual_events(track), audio_onsets(audio))):
-        touch, beep = torch.zeros(frames, dtype=torch.bool), torch.zeros(frames, dtype=torch.bool)
-        touch[torch.tensor(events, dtype=torch.long)] = True
-        beep[torch.tensor([int(o) for o in onsets], dtype=torch.long)] = True
-        out[i] = (touch == beep).float()
-    return out
-
-
 def sync_soft(track: dict[str, torch.Tensor], audio: torch.Tensor) -> torch.Tensor:
     """``sync`` with a soft wall touch (module docstring): float [B], equal to ``sync`` where the ball touches."""
     out = []
@@ -302,10 +287,6 @@ class AudioVideoReward(Reward):
     components = (*COMPONENTS, "score", "sync_soft")
     modality = "audio_video"
 
-    def __init__(self, frames: bool = False):
-        """frames: also return ``sync_f0`` … ``sync_f7``, sync's per-frame credit (``routing.frame_credit``)."""
-        self.frames = frames
-
     def __call__(self, samples, prompts: list[str], metadata: list[dict]) -> dict[str, torch.Tensor]:
         """samples: ``.video`` [B, F, 3, H, W] in [0, 1] and ``.audio`` [B, 1, T]; metadata: the
         prompt specs (color, speed, axis, pitch). Returns {component: float [B]}."""
@@ -317,6 +298,4 @@ class AudioVideoReward(Reward):
                "sync": sync(track, audio)}
         out["score"] = torch.stack([out[k] for k in COMPONENTS]).mean(0)
         out["sync_soft"] = sync_soft(track, audio)
-        if self.frames:
-            out.update({f"sync_f{f}": column for f, column in enumerate(frame_sync(track, audio).T)})
         return out

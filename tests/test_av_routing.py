@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from flowalign.objectives.av_routing import (RewardRouter, branch_advantages, branch_contrasts, floor_gate, frame_credit,
+from flowalign.objectives.av_routing import (RewardRouter, branch_advantages, branch_contrasts, floor_gate,
                                              floor_multipliers, interaction_gram, layer_gradient_scales, psd_part,
                                              residual_weights, response_ratio, routed_nft_loss, routed_priors,
                                              token_weights)
@@ -349,33 +349,3 @@ def test_the_benchmark_calls_a_component_below_baseline_only_below_two_standard_
             "video_quality": 0.49}  # no paired change recorded: the point comparison decides
     assert bench.ended_below(last, first) == ["video_quality", "text_video"]
     assert "| -0.020 ± 0.011 |" in bench.table({"fixed": {"epochs": 1, "points": [first, last]}})
-
-
-def test_frame_credit_replaces_the_rewards_clip_term_frame_by_frame():
-    branch_adv, clip_adv = torch.tensor([1.0, -0.5]), torch.tensor([0.5, 0.0])
-    frames = torch.tensor([[0.5, 2.0, -1.0], [1.0, 0.0, -1.0]])
-    # A_f = A_b + W·(A_k,f − A_k), W = 2
-    assert frame_credit(branch_adv, clip_adv, frames, 2.0).tolist() == [[1.0, 4.0, -2.0], [1.5, -0.5, -2.5]]
-
-
-def test_audio_frames_with_one_r_are_the_audio_branch_and_each_trains_on_its_own():
-    from pipelines.joint import JointLayout
-
-    layout = JointLayout(video_tokens=3, video_channels=2, audio_tokens=4, audio_channels=1)  # D = 10
-    frames = layout.audio_frame_masks(2)
-    assert frames.int().tolist() == [[0] * 6 + [1, 1, 0, 0], [0] * 6 + [0, 0, 1, 1]]
-    branches = layout.masks()
-    segments = torch.cat([branches[:1], frames])
-    v, v_old, x_t, x0, t = _batch(seed=5)
-    r = torch.tensor([[0.2, 0.7], [0.5, 0.1], [0.9, 0.4]])  # [B, video / audio]
-    whole, _ = routed_nft_loss(v, v_old, x_t, x0, t, r, branches, beta=1.0)
-    split, _ = routed_nft_loss(v, v_old, x_t, x0, t, r[:, [0, 1, 1]], segments, beta=1.0)
-    assert split.item() == pytest.approx(whole.item(), rel=1e-6)
-    (g_a,) = torch.autograd.grad(split, v)
-    moved, _ = routed_nft_loss(v, v_old, x_t, x0, t, torch.stack([r[:, 0], r[:, 1], 1 - r[:, 1]], 1), segments,
-                               beta=1.0)
-    (g_b,) = torch.autograd.grad(moved, v)
-    changed = (g_a - g_b).abs().amax(0) > 0
-    assert changed.tolist() == frames[1].tolist()  # only the second audio frame's elements feel its r
-    with pytest.raises(ValueError, match="evenly"):
-        layout.audio_frame_masks(3)

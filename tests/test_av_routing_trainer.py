@@ -76,22 +76,6 @@ def test_routing_needs_per_reward_advantages_an_av_family_and_known_components(t
                                    "method=diffusion_nft", "routing.influence=true"]))
 
 
-def test_frame_credit_trains_the_audio_branch_on_one_advantage_per_frame(tiny_av_dir, tmp_path):
-    with pytest.raises(ConfigError, match="routing.frame_credit.*routing.reweight"):
-        av_config(tiny_av_dir, tmp_path, "routing.frame_credit=sync")
-    trainer = Trainer(av_config(tiny_av_dir, tmp_path, "routing.reweight=true", "routing.frame_credit=sync",
-                                "reward.kwargs={frames: true}", "train.epochs=1"))
-    advantages, _ = trainer.compute_advantages(trainer.sample_epoch())
-    assert advantages.shape[1] == len(trainer.config.reward.weights) + 8  # then one column per frame
-    trainer.train()
-    assert math.isfinite(trainer.history[-1]["train/policy_loss"]) and trainer.history[-1]["train/grad_norm"] > 0
-    assert "train/r_branch8" in trainer.history[-1]  # video, then 8 audio frames
-    missing = Trainer(av_config(tiny_av_dir, tmp_path / "missing", "routing.reweight=true", "routing.frame_credit=sync",
-                                "train.epochs=1"))
-    with pytest.raises(ConfigError, match="frames: true"):
-        missing.train()
-
-
 def test_layer_gradient_scales_reach_the_cross_modal_modules(tiny_av_dir, tmp_path):
     trainer = Trainer(av_config(tiny_av_dir, tmp_path, "routing.influence=true", "train.epochs=1",
                                 "train.weight_decay=0.0"))  # decay would move a zero-gradient weight

@@ -55,15 +55,6 @@ weighting, while training on sync alone raised every component. (An output-space
 parameters: on the audio-video world it put every cosine at 0.6–0.9 while sync fell under fixed
 weights, because the conflict lives in the shared weights.)
 
-**Frame credit** (``frame_credit``, with branch routing). A clip-level reward says how good a clip
-is, not which of its frames made it so. A reward that also comes frame by frame (``sync_f0`` …:
-did frame f's audio beep exactly when its video touched a wall) can train the audio branch frame
-by frame: each audio frame's elements get their own optimality probability, from the branch's
-advantage with that reward's clip-level term replaced by the frame's, A_f = A_b + W[b, k]·(A_k,f −
-A_k) (``frame_credit``; each frame's advantage is group-normalised like any reward's). The loss is
-``routed_nft_loss`` with the audio branch's mask split into its frames; the weights and the Gram
-stay per branch.
-
 **(i) Cross-modal influence-guided routing.** Each block's ``audio_to_video_attn`` (video tokens
 query audio) and ``video_to_audio_attn`` respond to the other modality; the response ratio
 u = ‖attention output‖ / ‖residual input‖ per query token, read during the training forward pass,
@@ -99,16 +90,6 @@ def routed_priors(priors: torch.Tensor, concerns: torch.Tensor) -> torch.Tensor:
 def branch_advantages(advantages: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """A_b = Σ_k W[b, k]·A_k. advantages: [B, K] (one column per reward); weights: [M, K] → [B, M]."""
     return advantages.float() @ weights.float().T
-
-
-def frame_credit(branch_adv: torch.Tensor, clip_adv: torch.Tensor, frame_adv: torch.Tensor,
-                 weight: torch.Tensor | float) -> torch.Tensor:
-    """A branch's advantage with one reward's clip-level term replaced frame by frame (``frame_credit``
-    in the module docstring): A_f = A_b + W[b, k]·(A_k,f − A_k).
-
-    branch_adv: [B] the branch's A_b; clip_adv: [B] reward k's A_k; frame_adv: [B, F] its per-frame
-    advantages A_k,f; weight: W[b, k] (scalar). Returns [B, F]."""
-    return branch_adv.float()[:, None] + weight * (frame_adv.float() - clip_adv.float()[:, None])
 
 
 def interaction_gram(grads_a: torch.Tensor, grads_b: torch.Tensor) -> torch.Tensor:
