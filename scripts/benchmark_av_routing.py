@@ -88,10 +88,9 @@ def ended_below(last: dict, first: dict) -> list[str]:
 
 def fixed_arm(name: str, results: dict) -> dict | None:
     """The fixed-weights arm to compare arm ``name`` with: "fixed", or in a merged table the fixed arm
-    of the same training seed (the same ``train.seed=`` word in its label)."""
+    of the same training seed with no other override ("fixed train.seed=3")."""
     seed = [w for w in name.split() if w.startswith("train.seed=")]
-    return next((r for other, r in results.items() if other.split()[0] == "fixed"
-                 and [w for w in other.split() if w.startswith("train.seed=")] == seed), None)
+    return next((r for other, r in results.items() if other.split() == ["fixed", *seed]), None)
 
 
 def table(results: dict) -> str:
