@@ -113,7 +113,7 @@ def test_sync_soft_scores_a_ball_that_turns_short_of_the_walls(closest, beep_at,
     ([10, 8, 6, 4, 2, 1, 3, 5], 1.0, 1.0),    # turns at 1 px (= WALL_TOL): physical
     ([0, 2, 4, 6, 8, 6, 4, 2], 1.0, 0.0),     # touches at frame 0, then turns in mid-air (4 px from a wall)
     ([0, 2, 4, 6, 8, 10, 10, 10], 1.0, 1.0),  # stops without turning: no reversal to judge
-    ([6, 6, 6, 6, 7, 7, 7, 7], 0.0, 1.0),     # never reaches a wall (jitter below TURN_MIN is no turn)
+    ([6, 6, 6, 6, 7, 7, 7, 7], 0.0, 1.0),     # never reaches a wall and never reverses
     ([4, 12, 4, 12, 4, 12, 7, 5], 1.0, 0.6),  # five turns: three at a wall (12), two at 4 px; 7 → 5 is no reversal
 ])
 def test_video_quality_scores_physical_motion(along, reach, turns):
