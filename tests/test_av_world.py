@@ -168,3 +168,12 @@ def test_clips_write_as_wav_and_png_or_mp4(tmp_path):
     pytest.importorskip("imageio_ffmpeg")
     (mp4,) = save_clip(video[0], audio[0][None], tmp_path / "clip.mp4", fps=8, sample_rate=512)
     assert mp4.suffix == ".mp4" and mp4.stat().st_size > 1000
+
+
+def test_tracking_jitter_below_turn_min_is_not_a_turn():
+    along = torch.tensor([10, 8, 6, 6.2, 6.0, 4, 2, 0])  # a 0.2 px wobble at 6 px from the wall, then on to it
+    track = {"detected": torch.ones(1, FRAMES, dtype=torch.bool),
+             "position": torch.stack([along, torch.full((FRAMES,), 5.0)], -1)[None]}
+    assert physical_motion(track).item() == 1.0  # reaches the wall; the wobble's ±0.2 px steps are no reversal
+    track["position"][0, 3:5, 0] = torch.tensor([7.0, 6.0])  # a real 1 px turn at 6 px from the wall
+    assert physical_motion(track).item() == pytest.approx(0.5 * (1 + 0))
