@@ -169,10 +169,11 @@ def _reach(gap: torch.Tensor) -> torch.Tensor:
 def physical_motion(track: dict[str, torch.Tensor]) -> torch.Tensor:
     """float [B]: ½·(reach + turns) (module docstring, video quality (d))."""
     out = []
-    for gap, along in zip(wall_gaps(track), _dominant_positions(track)):
-        if gap is None:
+    for along in _dominant_positions(track):
+        if along is None:
             out.append(0.0)
             continue
+        gap = _wall_gap(along)
         step = along[1:] - along[:-1]  # NaN next to an undetected frame: no reversal there
         before, after = step[:-1], step[1:]
         turning = (before * after < 0) & (before.abs() >= TURN_MIN) & (after.abs() >= TURN_MIN)
@@ -230,12 +231,15 @@ def _dominant_positions(track: dict[str, torch.Tensor]) -> list[torch.Tensor | N
     return out
 
 
+def _wall_gap(along: torch.Tensor) -> torch.Tensor:
+    """Positions along the axis of motion [F] (NaN where undetected) → distance to the nearer wall [F] (inf there)."""
+    return torch.where(along.isnan(), torch.tensor(math.inf), torch.minimum(along, TRAVEL - along))
+
+
 def wall_gaps(track: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
     """Per sample float [F]: the tracked ball's distance to the nearer wall along its dominant axis
     of motion (inf where undetected); None when fewer than two frames have a ball."""
-    return [None if along is None else
-            torch.where(along.isnan(), torch.tensor(math.inf), torch.minimum(along, TRAVEL - along))
-            for along in _dominant_positions(track)]
+    return [None if along is None else _wall_gap(along) for along in _dominant_positions(track)]
 
 
 def visual_events(track: dict[str, torch.Tensor]) -> list[list[float]]:

@@ -12,11 +12,11 @@ prompts (ODE):
 * ``both``: (i) and (ii).
 
 Writes ``<out>/av_routing.json`` and ``<out>/av_routing.png`` (each component against minutes)
-and prints a Markdown table: every component before → after per arm, the sync gain over the
-fixed arm's (of the same training seed), and which components ended below their baseline: paired against the "before"
-evaluation (the same noise), a change below −2 standard errors (a point comparison for results
-recorded without the paired change). Runs one arm after another: do
-not run anything else on the machine.
+and prints a Markdown table: every component before → after per arm, sync's paired change, the
+sync gain over the fixed arm's (of the same training seed), and which components ended below their
+baseline: paired against the "before" evaluation (the same noise), a change below −2 standard
+errors (a point comparison for results recorded without the paired change). Runs one arm after
+another: do not run anything else on the machine.
 """
 
 from __future__ import annotations
