@@ -208,6 +208,13 @@ class RunConfig:
     output_dir: str = "runs/shapes-flow-grpo"
     method: str = "flow_grpo"
     tracker: str = "tensorboard"  # tensorboard | wandb | none
+    # torch CPU threads of each process, set when the run starts. Floating-point sums are split across
+    # threads, so the numbers of a run depend on this count (and on torch's version and the CPU's
+    # instruction set, both recorded in metrics.json), never on what else runs on the machine.
+    # 1 by default: a second thread buys little on small models and, on a machine whose cores are busy,
+    # costs far more than it buys (idle threads spin waiting for a descheduled one). 0 = torch's own
+    # default (one per core: results then differ between machines).
+    threads: int = 1
     checkpoint_every: int = 10  # epochs; 0 = only at the end
     checkpoints_kept: int = 2
     resume: Optional[str] = None  # "auto" (latest in output_dir), a checkpoint folder, or None
@@ -356,6 +363,7 @@ def check_values(config: RunConfig, where: str = "config") -> None:
          "must be between 1 and groups_per_epoch × group_size"),
         ("train.sample_batch_size", t.sample_batch_size >= 1, "must be ≥ 1"),
         ("train.epochs", t.epochs >= 0, "must be ≥ 0"),
+        ("threads", config.threads >= 0, "must be ≥ 0 (0 = torch's default: one per core)"),
         ("train.clip_range", t.clip_range > 0, "must be > 0"),
         ("train.ema_decay", 0 <= t.ema_decay < 1, "must be in [0, 1)"),
         ("train.rng_shards", t.rng_shards is None or t.rng_shards >= 1, "must be ≥ 1 (or null: one per process)"),

@@ -161,6 +161,8 @@ class Trainer:
 
     def __init__(self, config: RunConfig):
         validate(config)  # every check that needs no weights (flowalign/preflight.py: also `train --dry-run`)
+        if config.threads:  # before any tensor work: a run's numbers depend on its thread count
+            torch.set_num_threads(config.threads)
         self.config = config
         t, s = config.train, config.sampling
         self.out = Path(config.output_dir)
@@ -342,6 +344,9 @@ class Trainer:
                 (self.out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
             if cfg.tracker != "none":
                 acc.init_trackers(self.out.name or "flowalign", config=_flat(to_dict(cfg)))
+            if acc.is_main_process:
+                tqdm.write("determinism: " + ", ".join(f"{k} {v}" for k, v in run_environment().items())
+                           + " (the same seed and these give the same numbers)")
             if "before" not in self.evals:
                 self.evals["before"] = self.evaluate("before")
             start = time.time()
@@ -1243,7 +1248,8 @@ class Trainer:
     def _write_outputs(self, seconds: float) -> dict:
         acc = self.accelerator
         summary = {"before": self.evals.get("before"), "after": self.evals.get("after"),
-                   "evals": self.evals, "train_minutes": seconds / 60, "epochs": self.epoch}
+                   "evals": self.evals, "train_minutes": seconds / 60, "epochs": self.epoch,
+                   "environment": {**run_environment(), "processes": acc.num_processes}}
         with self._full_params():
             if acc.is_main_process:
                 with self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext():
@@ -1266,6 +1272,13 @@ class Trainer:
             with open(self.out / "history.jsonl", "w") as f:
                 f.writelines(json.dumps(h) + "\n" for h in self.history)
         return summary
+
+
+def run_environment() -> dict:
+    """What a run's numbers depend on besides its config and seed: torch's CPU threads (the split
+    of floating-point sums), torch's version and the instruction set its CPU kernels use."""
+    return {"threads": torch.get_num_threads(), "torch": torch.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def _family_prediction(family: str) -> str | None:
