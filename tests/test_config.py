@@ -52,6 +52,8 @@ def test_choices_and_cross_field_rules():
         load_config(DEMO, ["sampling.eta=0"])
     with pytest.raises(ConfigError, match="train.train_batch_size"):
         load_config(DEMO, ["train.train_batch_size=1000"])
+    with pytest.raises(ConfigError, match="threads must be ≥ 0"):
+        load_config(DEMO, ["threads=-1"])
 
 
 def test_missing_file_and_malformed_override(tmp_path):

@@ -31,6 +31,18 @@ def test_one_update_per_rollout_is_exactly_on_policy_and_kl_starts_at_zero(tiny_
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert {"before", "after", "delta"} <= set(metrics)
     assert (tmp_path / "grids" / "before_after.png").is_file()
+    # what the numbers depend on besides config and seed is recorded beside them
+    assert metrics["environment"] == {"threads": 1, "torch": torch.__version__, "processes": 1,
+                                      "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def test_the_run_sets_its_thread_count(tiny_sd3_dir, tmp_path):
+    before = torch.get_num_threads()
+    try:
+        Trainer(tiny_config(tiny_sd3_dir, tmp_path, "threads=3"))
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_second_minibatch_is_off_policy_and_kl_grows(tiny_sd3_dir, tmp_path):
