@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from flowalign.config import ConfigError, RunConfig, check_values
+from flowalign.config import ConfigError, RunConfig, check_values, source_of
 
 # the methods that train on log-probabilities of ε-prediction (DDIM) or masked-diffusion steps
 EPSILON_OR_LOGITS_METHODS = ("ddpo",)
@@ -141,15 +141,49 @@ def check_rewards(config: RunConfig, adapter_cls=None) -> None:
         Trainer._check_modality(types.SimpleNamespace(config=config, reward=factory, extra_rewards=extras))
 
 
+def check_prompt_sets(config: RunConfig) -> None:
+    """``data.train_prompts`` and ``data.eval_prompts`` read (split names, file type, every JSON
+    line) and hold at least one prompt."""
+    from flowalign.prompts import load_prompts
+
+    for key in ("data.train_prompts", "data.eval_prompts"):
+        source = getattr(config.data, key.split(".")[1])
+        where = source_of(config, key)
+        kind, _, split = source.partition(":")
+        if kind == "chess" and split.split(":")[0] in ("train", "test"):
+            continue  # the chess splits are read from the model folder and puzzle file: seconds, at load time
+        try:
+            records = load_prompts(source)
+        except (ValueError, OSError) as error:  # a bad split, type or JSON line; a missing file
+            named = "" if str(Path(source).expanduser().resolve()) in str(error) or source in str(error) else f" {source}"
+            raise ConfigError(f"{where}: {key}{named}: {error}") from None
+        if not any(str(r["prompt"]).strip() for r in records):
+            raise ConfigError(f"{where}: {key}: {source} holds no prompts (empty, or blank lines only)")
+
+
+def check_output_dir(config: RunConfig) -> None:
+    """``output_dir`` is, or can become, a folder: neither it nor a folder above it is a file."""
+    out = Path(config.output_dir).expanduser()
+    blocking = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise ConfigError(f"{source_of(config, 'output_dir')}: output_dir: {blocking} is a file, not a folder; "
+                          "name a folder (it is created when missing)")
+
+
 def validate(config: RunConfig) -> None:
     """Every check that needs no weights (raises ConfigError, or ModelNotFoundError for a missing
-    local model folder)."""
-    from pipelines.base import resolve_model_path
+    local model folder or a name that is neither a built-in demo model nor a hub id)."""
+    from pipelines.base import ModelNotFoundError, resolve_model_path
 
     check_values(config)
     cls = check_model(config)
     check_rewards(config, cls)
-    resolve_model_path(config.model.path)  # a missing local folder fails here (ModelNotFoundError); a hub id passes
+    check_prompt_sets(config)
+    check_output_dir(config)
+    try:
+        resolve_model_path(config.model.path)  # a hub id passes; its download is tried when the model loads
+    except ModelNotFoundError as error:
+        raise ModelNotFoundError(f"{source_of(config, 'model.path')}: model.path: {error}") from None
 
 
 # -- the dry run ----------------------------------------------------------------------------
