@@ -90,6 +90,7 @@ def _sampling_only(config):
 
 def cmd_train(args) -> int:
     from flowalign.config import load_config
+    from flowalign.faults import RunStopped
     from flowalign.trainer import train
 
     config = load_config(args.config, args.overrides)
@@ -98,7 +99,14 @@ def cmd_train(args) -> int:
 
         print(dry_run(config, args.config))
         return 0
-    summary = train(config)
+    try:
+        summary = train(config)
+    except RunStopped as error:  # a failing reward: say what is kept
+        from flowalign.trainer import checkpoint_folders
+
+        kept = checkpoint_folders(Path(config.output_dir) / "checkpoints")
+        raise RunStopped(f"{error}. Kept: {kept[-1] if kept else 'no checkpoint yet'} (nothing was deleted); fix "
+                         "the cause and continue with resume=auto") from None
     if summary.get("interrupted"):  # the trainer said where it stopped and how to continue
         return 0
     before, after = summary.get("before") or {}, summary.get("after") or {}
@@ -292,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from flowalign.config import ConfigError
+    from flowalign.faults import RunStopped
     from flowalign.trainer import CheckpointError
     from pipelines.base import ModelNotFoundError
 
@@ -301,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, ModelNotFoundError, FileNotFoundError) as error:
         print(f"flowalign: error: {error}", file=sys.stderr)
         return 2
+    except RunStopped as error:  # a fault during the run, not a usage error
+        print(f"flowalign: error: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
