@@ -187,7 +187,8 @@ def cmd_reward_server(args) -> int:
     from reward_models.remote import make_server
 
     reward = build_reward(args.reward, **json.loads(args.kwargs))
-    server = make_server(reward, args.reward, args.host, args.port, args.max_batch, int(args.max_payload_mb * 2**20))
+    server = make_server(reward, args.reward, args.host, args.port, args.max_batch, int(args.max_payload_mb * 2**20),
+                         args.max_image_pixels, args.max_request_pixels, args.timeout_s, args.idle_timeout_s)
     host, port = server.server_address[:2]
     print(f"serving reward {args.reward!r} on http://{host}:{port} (GET /health, POST /score); Ctrl-C stops",
           flush=True)
@@ -287,6 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--max-batch", type=int, default=64, help="most samples per reward call")
     p.add_argument("--max-payload-mb", type=float, default=64, help="larger requests are refused (HTTP 413)")
+    p.add_argument("--max-image-pixels", type=int, default=2**22,
+                   help="most pixels one sample may decode to (an NPY sample: values / 3); more: HTTP 413")
+    p.add_argument("--max-request-pixels", type=int, default=2**26,
+                   help="most pixels all samples of one request may decode to; more: HTTP 413")
+    p.add_argument("--timeout-s", type=float, default=300,
+                   help="seconds to receive a request's body (else 408) and to score it (else 503)")
+    p.add_argument("--idle-timeout-s", type=float, default=30,
+                   help="a connection that sends nothing for this long is closed (its thread ends)")
     p.set_defaults(func=cmd_reward_server)
 
     p = sub.add_parser("sample", help="images for one prompt, one file per seed")
