@@ -11,6 +11,8 @@ server is killed after each attack. Attacks (docs/faults.md gives the numbers):
 
 * ``bomb``: one 4000×4000 PNG (62 KB as sent, 16 Mpx), with a shapes spec as metadata;
   ``--meanwhile-after`` seconds later a normal request (4 small images) is timed: is it blocked?
+* ``bomb_at_bound``: the same at 2048×2048, the largest sample the default bound accepts (not in
+  the default ``--only``: it is scored, which takes a while);
 * ``negative_length``: ``Content-Length: -1`` followed by a 200 MB body;
 * ``bad_prompts``, ``bad_metadata``: a string for ``prompts``, numbers for ``metadata``;
 * ``idle``: 50 connections that send nothing; the server's threads after 2 s and after
@@ -99,9 +101,9 @@ class Server:
         self.proc.wait()
 
 
-def bomb(server: Server, wait: float, after: float) -> dict:
+def bomb(server: Server, wait: float, after: float, side: int = 4000) -> dict:
     spec = prompt_split("test")[0]
-    big = np.zeros((4000, 4000, 3), dtype=np.uint8)
+    big = np.zeros((side, side, 3), dtype=np.uint8)
     body = json.dumps({"format": "png", "samples": [png(big)], "prompts": [spec["prompt"]],
                        "metadata": [spec]}).encode()
     result: dict = {"body_bytes": len(body)}
@@ -167,7 +169,9 @@ def main() -> None:
     parser.add_argument("--only", default="bomb,negative_length,bad_prompts,bad_metadata,idle")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    attacks = {"bomb": lambda s: bomb(s, args.wait, args.meanwhile_after), "negative_length": lambda s: negative_length(s, args.wait),
+    attacks = {"bomb": lambda s: bomb(s, args.wait, args.meanwhile_after),
+               "bomb_at_bound": lambda s: bomb(s, args.wait, args.meanwhile_after, 2048),
+               "negative_length": lambda s: negative_length(s, args.wait),
                "bad_prompts": lambda s: malformed(s, args.wait, "prompts"),
                "bad_metadata": lambda s: malformed(s, args.wait, "metadata"),
                "idle": lambda s: idle(s, args.idle_wait)}
