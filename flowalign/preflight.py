@@ -141,9 +141,10 @@ def check_rewards(config: RunConfig, adapter_cls=None) -> None:
         Trainer._check_modality(types.SimpleNamespace(config=config, reward=factory, extra_rewards=extras))
 
 
-def check_prompt_sets(config: RunConfig) -> None:
+def check_prompt_sets(config: RunConfig, missing_ok: bool = False) -> None:
     """``data.train_prompts`` and ``data.eval_prompts`` read (split names, file type, every JSON
-    line) and hold at least one prompt."""
+    line) and hold at least one prompt; ``missing_ok``: a file absent on this machine passes (the
+    dry run lists it as missing)."""
     from flowalign.prompts import load_prompts
 
     for key in ("data.train_prompts", "data.eval_prompts"):
@@ -155,7 +156,9 @@ def check_prompt_sets(config: RunConfig) -> None:
         try:
             records = load_prompts(source)
         except (ValueError, OSError) as error:  # a bad split, type or JSON line; a missing file
-            named = "" if str(Path(source).expanduser().resolve()) in str(error) or source in str(error) else f" {source}"
+            if missing_ok and isinstance(error, FileNotFoundError):
+                continue
+            named = "" if Path(source).name in str(error) else f" {source}"  # a file's errors name it
             raise ConfigError(f"{where}: {key}{named}: {error}") from None
         if not any(str(r["prompt"]).strip() for r in records):
             raise ConfigError(f"{where}: {key}: {source} holds no prompts (empty, or blank lines only)")
@@ -170,15 +173,16 @@ def check_output_dir(config: RunConfig) -> None:
                           "name a folder (it is created when missing)")
 
 
-def validate(config: RunConfig) -> None:
+def validate(config: RunConfig, missing_ok: bool = False) -> None:
     """Every check that needs no weights (raises ConfigError, or ModelNotFoundError for a missing
-    local model folder or a name that is neither a built-in demo model nor a hub id)."""
+    local model folder or a name that is neither a built-in demo model nor a hub id).
+    ``missing_ok``: prompt files absent on this machine pass (the dry run reports them)."""
     from pipelines.base import ModelNotFoundError, resolve_model_path
 
     check_values(config)
     cls = check_model(config)
     check_rewards(config, cls)
-    check_prompt_sets(config)
+    check_prompt_sets(config, missing_ok)
     check_output_dir(config)
     try:
         resolve_model_path(config.model.path)  # a hub id passes; its download is tried when the model loads
@@ -189,7 +193,7 @@ def validate(config: RunConfig) -> None:
 # -- the dry run ----------------------------------------------------------------------------
 def dry_run(config: RunConfig, recipe: str | None = None) -> str:
     """Validate ``config`` and say what training it would load and do (text, one fact a line)."""
-    validate(config)
+    validate(config, missing_ok=True)
     cls = adapter_for(config)
     warnings: list[str] = []
     lines = [("recipe", recipe or "(defaults)"), ("method", _method_text(config, cls))]
