@@ -39,7 +39,9 @@ class RewardGuard:
         self.calls = 0
         self._late: threading.Thread | None = None  # a call that outlived its deadline
 
-    def __getattr__(self, attribute):
+    def __getattr__(self, attribute):  # only for what the guard itself lacks
+        if "reward" not in self.__dict__:  # not yet initialised (a copy being made): no recursion
+            raise AttributeError(attribute)
         return getattr(self.reward, attribute)
 
     def __call__(self, samples, prompts, metadata) -> dict:

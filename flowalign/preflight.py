@@ -28,11 +28,11 @@ from flowalign.config import ConfigError, RunConfig, check_values, source_of
 EPSILON_OR_LOGITS_METHODS = ("ddpo",)
 
 
-def check_method_family(method: str, family: str, prediction: str) -> None:
+def check_method_family(method: str, family: str, prediction: str, where: str = "config") -> None:
     """ddpo for ε-prediction (sd, sdxl) and masked-diffusion (chess) families, any other method for
-    flow (velocity) families."""
+    flow (velocity) families. ``where``: the file or override the method came from."""
     if (prediction in ("epsilon", "logits")) != (method in EPSILON_OR_LOGITS_METHODS):
-        raise ConfigError(f"config: method {method!r} does not apply to model family {family!r} "
+        raise ConfigError(f"{where}: method {method!r} does not apply to model family {family!r} "
                           f"({prediction} prediction): use ddpo for sd / sdxl / chess, any other method for "
                           "flow models")
 
@@ -50,7 +50,7 @@ def check_discrete(config: RunConfig) -> None:
     ]
     for key, ok, message in problems:
         if not ok:
-            raise ConfigError(f"config: {key} {message}")
+            raise ConfigError(f"{source_of(config, key)}: {key} {message}")
 
 
 def adapter_for(config: RunConfig):
@@ -58,8 +58,8 @@ def adapter_for(config: RunConfig):
     from pipelines import FAMILIES, adapter_class
 
     if config.model.family not in FAMILIES:
-        raise ConfigError(f"config: model.family: unknown model family {config.model.family!r}; available: "
-                          f"{', '.join(sorted(FAMILIES))}")
+        raise ConfigError(f"{source_of(config, 'model.family')}: model.family: unknown model family "
+                          f"{config.model.family!r}; available: {', '.join(sorted(FAMILIES))}")
     return adapter_class(config.model.family)
 
 
@@ -72,35 +72,38 @@ def check_model(config: RunConfig):
     try:
         check_folder_family(m.family, m.path)
     except ValueError as error:
-        raise ConfigError(f"config: model.family: {error}") from None
+        raise ConfigError(f"{source_of(config, 'model.family')}: model.family: {error}") from None
     prediction = getattr(cls, "prediction", "velocity")
-    check_method_family(config.method, m.family, prediction)
+    check_method_family(config.method, m.family, prediction, source_of(config, "method"))
     if prediction == "logits":
         check_discrete(config)
     for key, value in m.kwargs.items():
         try:
             check_adapter_options(m.family, {key: value})
         except ValueError as error:
-            raise ConfigError(f"config: model.kwargs.{key}: {error}") from None
+            raise ConfigError(f"{source_of(config, 'model.kwargs.' + key)}: model.kwargs.{key}: {error}") from None
     if m.gradient_checkpointing and not getattr(cls, "supports_gradient_checkpointing", True):
-        raise ConfigError(f"config: model.gradient_checkpointing is not supported by the {m.family!r} family; "
-                          "set it to false")
+        raise ConfigError(f"{source_of(config, 'model.gradient_checkpointing')}: model.gradient_checkpointing is not "
+                          f"supported by the {m.family!r} family; set it to false")
     if config.explore.mode != "none" and prediction != "velocity":  # Trainer._build_explorer checks it again, loaded
-        raise ConfigError("config: explore.mode needs a flow model (its SDE steps); DDIM has no exploration net")
+        raise ConfigError(f"{source_of(config, 'explore.mode')}: explore.mode needs a flow model (its SDE steps); DDIM "
+                          "has no exploration net")
     return cls
 
 
-def reward_factory(name: str, key: str):
-    """The registered factory of reward ``name`` (ConfigError naming ``key`` when unknown)."""
+def reward_factory(name: str, key: str, where: str = "config"):
+    """The registered factory of reward ``name`` (ConfigError naming ``key`` and ``where`` it was set
+    when unknown)."""
     from reward_models.base import _REGISTRY, available_rewards
 
     names = available_rewards()  # loads the built-ins and the plug-ins
     if name not in _REGISTRY:
-        raise ConfigError(f"config: {key}: unknown reward {name!r}; available: {', '.join(names)}")
+        raise ConfigError(f"{where}: {key}: unknown reward {name!r}; available: {', '.join(names)}")
     return _REGISTRY[name]
 
 
-def reward_arguments(factory, kwargs: dict, name: str, key: str) -> dict[str, tuple[object, bool]]:
+def reward_arguments(factory, kwargs: dict, name: str, key: str,
+                     where: str = "config") -> dict[str, tuple[object, bool]]:
     """``kwargs`` checked against the factory's signature → every argument: (value, given). A
     factory taking ``**kwargs`` accepts any name."""
     parameters = dict(inspect.signature(factory).parameters)
@@ -109,11 +112,11 @@ def reward_arguments(factory, kwargs: dict, name: str, key: str) -> dict[str, tu
     named = {n: p for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     for arg in kwargs:
         if arg not in named and not open_ended:
-            raise ConfigError(f"config: {key}.{arg}: reward {name!r} takes no argument {arg!r}; it accepts: "
+            raise ConfigError(f"{where}: {key}.{arg}: reward {name!r} takes no argument {arg!r}; it accepts: "
                               f"{', '.join(named) or 'none'}")
     missing = [n for n, p in named.items() if p.default is p.empty and n not in kwargs]
     if missing:
-        raise ConfigError(f"config: {key}.{missing[0]}: reward {name!r} needs it (no default)")
+        raise ConfigError(f"{where}: {key}.{missing[0]}: reward {name!r} needs it (no default)")
     values = {n: (p.default, False) for n, p in named.items()}
     values.update({n: (v, True) for n, v in kwargs.items()})
     return values
@@ -123,15 +126,16 @@ def check_rewards(config: RunConfig, adapter_cls=None) -> None:
     """The reward, its arguments and weights, the extra evaluation rewards; for a video family, no
     image-only reward (the trainer's own modality check, on the reward classes)."""
     r = config.reward
-    factory = reward_factory(r.name, "reward.name")
-    reward_arguments(factory, r.kwargs, r.name, "reward.kwargs")
+    factory = reward_factory(r.name, "reward.name", source_of(config, "reward.name"))
+    reward_arguments(factory, r.kwargs, r.name, "reward.kwargs", source_of(config, "reward.kwargs"))
     declared = getattr(factory, "components", ()) if isinstance(factory, type) else ()
     unknown = sorted(set(r.weights) - set(declared)) if declared else []
     if unknown:
-        raise ConfigError(f"config: reward.weights names {unknown}, but reward {r.name!r} returns {list(declared)}")
+        raise ConfigError(f"{source_of(config, 'reward.weights')}: reward.weights names {unknown}, but reward "
+                          f"{r.name!r} returns {list(declared)}")
     extras = []
     for i, name in enumerate(config.eval.extra_rewards):
-        extra = reward_factory(name, f"eval.extra_rewards[{i}]")
+        extra = reward_factory(name, f"eval.extra_rewards[{i}]", source_of(config, "eval.extra_rewards"))
         reward_arguments(extra, {}, name, f"eval.extra_rewards[{i}] (no options can be given)")
         extras.append(extra)
     if adapter_cls is not None:

@@ -17,10 +17,11 @@ positions is trained with ``objectives.masked_ddpo.masked_ddpo_loss`` (clipped r
 LoRA-disabled reference, entropy bonus) and the method is ``ddpo``. Evaluation samples with a
 fixed generator, reports board diversity and draws the boards.
 
-Faults (docs/distributed.md): SIGTERM / SIGINT stop the run after the epoch in progress, with a
-checkpoint; a checkpoint is written to ``epoch-N.tmp/``, renamed when complete, lists its files'
-sizes, and is read and checked whole before any of it is applied; an optimizer step whose loss or
-gradient is not finite is skipped on every process and counted; a full disk is named as such.
+Faults (docs/distributed.md, docs/faults.md): SIGTERM / SIGINT stop the run after the epoch in
+progress, with a checkpoint; a checkpoint is written to ``epoch-N.tmp/``, renamed when complete,
+lists its files' sizes and SHA-256, and is read and checked whole before any of it is applied; an
+optimizer step whose loss or gradient is not finite is skipped on every process and counted; a
+full disk is named as such; the reward's failures are handled by ``flowalign.faults``.
 """
 
 from __future__ import annotations
@@ -1056,7 +1057,7 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """``checkpoints/epoch-NNNNNN/``: trained weights (safetensors), optimizer, EMA, every
         shard's generator states (and prompt trackers), the counters, a manifest of every file's
-        size, plus ``policy/`` (the evaluated weights, EMA if used, in the format of ``final/``).
+        size and SHA-256, plus ``policy/`` (the evaluated weights, EMA if used, in the format of ``final/``).
         Written to ``epoch-NNNNNN.tmp/``, renamed when complete. Refuses non-finite weights; a full
         disk raises DiskFullError and leaves the previous checkpoints as they were."""
         acc = self.accelerator
@@ -1127,7 +1128,7 @@ class Trainer:
                  "num_processes": acc.num_processes, "rng_shards": len(self.shards) * acc.num_processes,
                  "files": {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
                            if p.is_file()}, "sha256": folder_sha256(folder),
-                 "train_seconds": self.resumed_seconds + time.time() - self.session_start}
+                 "elapsed_s": self.resumed_seconds + time.time() - self.session_start}
         (folder / "state.json").write_text(json.dumps(state))
         _fsync([*sorted(p for p in folder.rglob("*") if p.is_file()), folder])  # data on disk before the rename
 
@@ -1179,7 +1180,7 @@ class Trainer:
 
     def read_checkpoint(self, path: Path) -> dict:
         """Everything this process needs from ``path``, read and checked before any of it is applied:
-        the manifest's sizes, every safetensors header, the optimizer (``weights_only``: tensors
+        the manifest's sizes and hashes, every safetensors header, the optimizer (``weights_only``: tensors
         and plain containers, no pickled code), finite weights. Raises CheckpointError naming the
         file; ValueError when the checkpoint is fine but was written by another process layout."""
         acc = self.accelerator
@@ -1248,7 +1249,7 @@ class Trainer:
             tracker.load_state_dict(state)
         state = loaded["state"]
         self.epoch, self.history, self.evals = state["epoch"], state["history"], state["evals"]
-        self.resumed_seconds = state.get("train_seconds", self._train_seconds())  # older checkpoints: the epochs'
+        self.resumed_seconds = state.get("elapsed_s", self._train_seconds())  # older checkpoints: the epochs'
 
     # -- outputs -------------------------------------------------------------------------
     def _write_outputs(self, seconds: float) -> dict:

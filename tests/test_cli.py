@@ -76,6 +76,8 @@ def _bad_inputs(tmp_path):
         ("model.path=shapes-sd33", "model.path: 'shapes-sd33' is not a built-in demo model \\(did you mean "
                                    "'shapes-sd3'\\? built-in: .*shapes-sd3"),
         ("reward.timeout_s=0", "reward.timeout_s must be > 0"),
+        ("reward.name=shapez", "reward.name: unknown reward 'shapez'"),
+        ("model.family=sd4", "model.family: unknown model family 'sd4'"),
         ("reward.on_error=ignore", "reward.on_error must be one of raise, nan"),
         ("train.max_nan_epochs=-1", "train.max_nan_epochs must be ≥ 0"),
     ]

@@ -5,6 +5,7 @@ refused with a message that names the file, and a resumed run still equals the u
 import errno
 import json
 import math
+import os
 import random
 import shutil
 import signal
@@ -15,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import flowalign.trainer as trainer_module
+from flowalign.integrity import file_sha256
 from flowalign.trainer import CheckpointError, DiskFullError, Trainer
 from reward_models.base import Reward, register_reward
 from test_distributed import history, run, start, train_command, wait_until_started, write_config
@@ -135,7 +137,12 @@ def test_corrupt_checkpoint_files_are_rejected_with_their_name(tiny_sd3_dir, tmp
     with pytest.raises(CheckpointError, match=r"epoch-000001/state\.json: unreadable, not JSON"):
         resumed(tiny_sd3_dir, tmp_path, str(one))
     optimizer = two / "optimizer.pt"
-    optimizer.write_bytes(b"\0" * optimizer.stat().st_size)  # same size: only parsing can tell
+    optimizer.write_bytes(b"\0" * optimizer.stat().st_size)  # same size: the content hash tells
+    with pytest.raises(CheckpointError, match=r"epoch-000002/optimizer\.pt: content differs"):
+        resumed(tiny_sd3_dir, tmp_path, str(two))
+    state = json.loads((two / "state.json").read_text())
+    del state["sha256"]  # as a checkpoint from before the hashes: only parsing can tell
+    (two / "state.json").write_text(json.dumps(state))
     with pytest.raises(CheckpointError, match=r"epoch-000002/optimizer\.pt: unreadable"):
         resumed(tiny_sd3_dir, tmp_path, str(two))
     with pytest.raises(CheckpointError, match=r"no readable checkpoint in .*epoch-000002: .*epoch-000001: "):
@@ -152,6 +159,7 @@ def test_only_tensors_are_unpickled_from_a_checkpoint(tiny_sd3_dir, tmp_path):
     torch.save({"state": {}, "param_groups": [], "payload": Pickled()}, folder / "optimizer.pt")
     state = json.loads((folder / "state.json").read_text())
     state["files"]["optimizer.pt"] = (folder / "optimizer.pt").stat().st_size  # a consistent manifest
+    state["sha256"]["optimizer.pt"] = file_sha256(folder / "optimizer.pt")
     (folder / "state.json").write_text(json.dumps(state))
     with pytest.raises(CheckpointError, match=r"optimizer\.pt: unreadable \(Weights only load failed"):
         resumed(tiny_sd3_dir, tmp_path, str(folder))
@@ -278,7 +286,7 @@ def strict_json(text):
 
 def test_a_resumed_run_has_every_output_its_time_and_strict_json(tiny_sd3_dir, tmp_path):
     Trainer(tiny_config(tiny_sd3_dir, tmp_path, "train.epochs=1", "checkpoint_every=1")).train()
-    first = json.loads((tmp_path / "checkpoints" / "epoch-000001" / "state.json").read_text())["train_seconds"]
+    first = json.loads((tmp_path / "checkpoints" / "epoch-000001" / "state.json").read_text())["elapsed_s"]
     for output in ("metrics.json", "grids/before_after.png"):
         (tmp_path / output).unlink()
     Trainer(tiny_config(tiny_sd3_dir, tmp_path, "train.epochs=2", "resume=auto")).train()
@@ -315,11 +323,13 @@ class Hanging(Reward):
 
     components = ("score",)
 
-    def __init__(self, seconds: float = 3.0):
-        self.seconds = seconds
+    def __init__(self, seconds: float = 3.0, sigterm: bool = False):
+        self.seconds, self.sigterm = seconds, sigterm
 
     def __call__(self, samples, prompts, metadata):
         if "group_id" in metadata[0]:
+            if self.sigterm:  # a scheduler's SIGTERM arrives while the call hangs
+                os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(self.seconds)
         return {"score": samples.mean(dim=(1, 2, 3))}
 
@@ -336,6 +346,16 @@ def test_a_hung_reward_scores_its_batch_nan_at_the_deadline(tiny_sd3_dir, tmp_pa
     assert "is still running an earlier batch past its deadline; batch 2" in capsys.readouterr().err
     time.sleep(3)
     assert trainer.train_epoch()["reward/dropped_nan"] == 8  # the reward still hangs on every training batch
+
+
+def test_sigterm_during_a_hung_reward_call_stops_at_the_deadline_with_a_checkpoint(tiny_sd3_dir, tmp_path):
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, "reward.name=test_hanging", "reward.timeout_s=0.5",
+                                  "reward.kwargs={sigterm: true}", "train.epochs=3"))
+    began = time.time()
+    summary = trainer.train()
+    assert summary["interrupted"] == "SIGTERM" and summary["epochs"] == 1
+    assert time.time() - began < 3  # one signal was enough: the hung call was not waited for
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["epoch-000001"]
 
 
 @register_reward("test_raising")
