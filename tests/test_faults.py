@@ -1,6 +1,8 @@
 """Faults a long run meets: SIGKILL at random moments, SIGTERM, corrupt or half-written
-checkpoints, a full disk, non-finite advantages, losses and gradients. Each is survived, or
-refused with a message that names the file, and a resumed run still equals the uninterrupted one."""
+checkpoints (flipped bytes included), a full disk (checkpoints, final/), non-finite advantages,
+losses and gradients, a reward that hangs, raises or is NaN epoch after epoch. Each is survived, or
+refused with a message that names the file or the reward, and a resumed run still equals the
+uninterrupted one (docs/faults.md)."""
 
 import errno
 import json
