@@ -90,6 +90,7 @@ def _sampling_only(config):
 
 def cmd_train(args) -> int:
     from flowalign.config import load_config
+    from flowalign.faults import RunStopped
     from flowalign.trainer import train
 
     config = load_config(args.config, args.overrides)
@@ -98,7 +99,14 @@ def cmd_train(args) -> int:
 
         print(dry_run(config, args.config))
         return 0
-    summary = train(config)
+    try:
+        summary = train(config)
+    except RunStopped as error:  # a failing reward: say what is kept
+        from flowalign.trainer import checkpoint_folders
+
+        kept = checkpoint_folders(Path(config.output_dir) / "checkpoints")
+        raise RunStopped(f"{error}. Kept: {kept[-1] if kept else 'no checkpoint yet'} (nothing was deleted); fix "
+                         "the cause and continue with resume=auto") from None
     if summary.get("interrupted"):  # the trainer said where it stopped and how to continue
         return 0
     before, after = summary.get("before") or {}, summary.get("after") or {}
@@ -179,7 +187,8 @@ def cmd_reward_server(args) -> int:
     from reward_models.remote import make_server
 
     reward = build_reward(args.reward, **json.loads(args.kwargs))
-    server = make_server(reward, args.reward, args.host, args.port, args.max_batch, int(args.max_payload_mb * 2**20))
+    server = make_server(reward, args.reward, args.host, args.port, args.max_batch, int(args.max_payload_mb * 2**20),
+                         args.max_image_pixels, args.max_request_pixels, args.timeout_s, args.idle_timeout_s)
     host, port = server.server_address[:2]
     print(f"serving reward {args.reward!r} on http://{host}:{port} (GET /health, POST /score); Ctrl-C stops",
           flush=True)
@@ -279,6 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--max-batch", type=int, default=64, help="most samples per reward call")
     p.add_argument("--max-payload-mb", type=float, default=64, help="larger requests are refused (HTTP 413)")
+    p.add_argument("--max-image-pixels", type=int, default=2**22,
+                   help="most pixels one sample may decode to (an NPY sample: values / 3); more: HTTP 413")
+    p.add_argument("--max-request-pixels", type=int, default=2**26,
+                   help="most pixels all samples of one request may decode to; more: HTTP 413")
+    p.add_argument("--timeout-s", type=float, default=300,
+                   help="seconds to receive a request's body (else 408) and to score it (else 503)")
+    p.add_argument("--idle-timeout-s", type=float, default=30,
+                   help="a connection that sends nothing for this long is closed (its thread ends)")
     p.set_defaults(func=cmd_reward_server)
 
     p = sub.add_parser("sample", help="images for one prompt, one file per seed")
@@ -292,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from flowalign.config import ConfigError
+    from flowalign.faults import RunStopped
     from flowalign.trainer import CheckpointError
     from pipelines.base import ModelNotFoundError
 
@@ -301,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, ModelNotFoundError, FileNotFoundError) as error:
         print(f"flowalign: error: {error}", file=sys.stderr)
         return 2
+    except RunStopped as error:  # a fault during the run, not a usage error
+        print(f"flowalign: error: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -96,6 +97,12 @@ class RewardConfig:
     name: str = "shapes"
     kwargs: dict[str, Any] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=lambda: {"score": 1.0})  # component → weight
+    # deadline of one reward call (a batch), in seconds: a call still running then scores its batch
+    # NaN (dropped and counted, like a remote server that is down); null = wait forever (flowalign/faults.py)
+    timeout_s: Optional[float] = 600.0
+    # a reward call that raises: raise (stop the run with one line naming the reward and the batch;
+    # the last checkpoint is kept) | nan (score that batch NaN, say so in one line, go on)
+    on_error: str = "raise"
 
 
 @dataclass
@@ -126,6 +133,9 @@ class TrainConfig:
     async_reward: bool = True  # score each sampling batch in a thread while the next one samples
     per_prompt_stats: bool = False  # DDPO-style per-prompt tracker instead of group statistics
     ema_decay: float = 0.0  # 0 = off; evaluation uses the EMA weights when on
+    # stop the run (an error, the last checkpoint kept) after this many consecutive epochs in which
+    # every reward was NaN: a broken reward, not a bad batch; 0 = never stop
+    max_nan_epochs: int = 3
     mixed_precision: str = "no"  # no | fp16 | bf16 (Accelerate)
     seed: int = 0
     # random streams: the global batch is drawn as this many shards, each with its own prompt, noise
@@ -239,6 +249,7 @@ CHOICES = {
     "train.advantage_baseline": ("group", "leave_one_out"),
     "train.mixed_precision": ("no", "fp16", "bf16"),
     "tracker": ("tensorboard", "wandb", "none"),
+    "reward.on_error": ("raise", "nan"),
     # flow_grpo, dance_grpo and ddpo share the clipped-ratio loss over stochastic steps (dance_grpo
     # without KL; ddpo on the DDIM steps of sd / sdxl and on the unmasking steps of chess);
     # diffusion_nft trains on the forward process
@@ -274,6 +285,8 @@ def _coerce(value, tp, key: str, where: str):
         return {str(k): _coerce(v, args[1], f"{key}.{k}", where) for k, v in value.items()}
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, float) and math.isnan(value):
+        raise ConfigError(f"{where}: {key} must be a number, got NaN")
     if tp is bool and not isinstance(value, bool) or tp in (int, float) and isinstance(value, bool) \
             or not isinstance(value, tp):
         raise ConfigError(f"{where}: {key} must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
@@ -324,7 +337,13 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like key.sub=value")
     key, raw = text.split("=", 1)
-    return key.strip(), _floats(yaml.safe_load(raw) if raw.strip() else "")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as error:
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({problem}); quote the whole "
+                          "override for the shell, e.g. 'reward.kwargs={min_area: 4}'") from None
+    return key.strip(), _floats(value)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
@@ -344,19 +363,48 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
             raise ConfigError(f"{where}: the top level must be a mapping of settings")
         tree = _floats(loaded)
     config = _build(RunConfig, tree, "", where)  # the file alone must be valid
+    set_by = []
     for text in overrides:
         key, value = parse_override(text)
         tree = copy.deepcopy(tree)
         _set_path(tree, key, value)  # replaces the value at key, a mapping included
         config = _build(RunConfig, tree, "", f"override {text!r}")
+        set_by.append((key, f"override {text!r}"))
+    config.sources = {"file": where, "overrides": set_by}  # read by source_of; not a setting
     check_values(config, where)
     return config
 
 
+def source_of(config: RunConfig, key: str, default: str = "config") -> str:
+    """Where ``key``'s value came from: the last override that set it (or a section holding it, or
+    a key inside it), else the YAML file; ``default`` for a config not made by ``load_config``."""
+    sources = getattr(config, "sources", None)
+    if sources is None:
+        return default
+    for set_key, text in reversed(sources["overrides"]):
+        if key == set_key or key.startswith(set_key + ".") or set_key.startswith(key + "."):
+            return text
+    return sources["file"]
+
+
 def check_values(config: RunConfig, where: str = "config") -> None:
-    """Cross-field checks that types alone cannot express."""
-    t, s = config.train, config.sampling
+    """Cross-field checks that types alone cannot express. A failure names the key and where its
+    value came from (``source_of``: the override that set it, else ``where``)."""
+    t, s, e = config.train, config.sampling, config.eval
     rules = [
+        ("checkpoint_every", config.checkpoint_every >= 0, "must be ≥ 0 (0 = only at the end)"),
+        ("checkpoints_kept", config.checkpoints_kept >= 0, "must be ≥ 0 (0 = keep every checkpoint)"),
+        ("eval.every", e.every >= 0, "must be ≥ 0 (0 = only before and after)"),
+        ("eval.seeds", e.seeds >= 1, "must be ≥ 1"),
+        ("eval.batch_size", e.batch_size >= 1, "must be ≥ 1"),
+        ("eval.grid_prompts", e.grid_prompts >= 1, "must be ≥ 1"),
+        ("eval.grid_seeds", e.grid_seeds >= 1, "must be ≥ 1"),
+        ("train.inner_epochs", t.inner_epochs >= 1, "must be ≥ 1 (0 would train nothing)"),
+        ("train.learning_rate", math.isfinite(t.learning_rate) and t.learning_rate >= 0,
+         "must be a finite number ≥ 0"),
+        ("train.max_nan_epochs", t.max_nan_epochs >= 0, "must be ≥ 0 (0 = never stop)"),
+        ("reward.timeout_s", config.reward.timeout_s is None or config.reward.timeout_s > 0,
+         "must be > 0 seconds (or null: no deadline)"),
         ("train.group_size", t.group_size >= 2 or t.per_prompt_stats, "must be ≥ 2 for group advantages"),
         ("train.groups_per_epoch", t.groups_per_epoch >= 1, "must be ≥ 1"),
         ("train.train_batch_size", 1 <= t.train_batch_size <= t.groups_per_epoch * t.group_size,
@@ -412,7 +460,7 @@ def check_values(config: RunConfig, where: str = "config") -> None:
     ]
     for key, ok, message in rules:
         if not ok:
-            raise ConfigError(f"{where}: {key} {message}")
+            raise ConfigError(f"{source_of(config, key, where)}: {key} {message}")
 
 
 def to_dict(config) -> dict:

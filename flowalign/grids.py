@@ -252,3 +252,10 @@ def save_grid(image: Image.Image, path: str | Path, prompts: list[str] | None = 
     image.save(path)
     if prompts is not None:
         path.with_suffix(".txt").write_text("".join(f"row {i}: {p}\n" for i, p in enumerate(prompts)))
+
+
+def load_grids(folder: str | Path, labels) -> dict[str, Image.Image]:
+    """The grids ``save_grid`` wrote as ``<label>.png`` in ``folder``, for the labels found there
+    (a resumed run's "before" grid, drawn by an earlier session)."""
+    paths = {label: Path(folder) / f"{label}.png" for label in labels}
+    return {label: Image.open(path).convert("RGB") for label, path in paths.items() if path.is_file()}

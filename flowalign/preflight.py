@@ -22,17 +22,17 @@ from pathlib import Path
 
 import torch
 
-from flowalign.config import ConfigError, RunConfig, check_values
+from flowalign.config import ConfigError, RunConfig, check_values, source_of
 
 # the methods that train on log-probabilities of ε-prediction (DDIM) or masked-diffusion steps
 EPSILON_OR_LOGITS_METHODS = ("ddpo",)
 
 
-def check_method_family(method: str, family: str, prediction: str) -> None:
+def check_method_family(method: str, family: str, prediction: str, where: str = "config") -> None:
     """ddpo for ε-prediction (sd, sdxl) and masked-diffusion (chess) families, any other method for
-    flow (velocity) families."""
+    flow (velocity) families. ``where``: the file or override the method came from."""
     if (prediction in ("epsilon", "logits")) != (method in EPSILON_OR_LOGITS_METHODS):
-        raise ConfigError(f"config: method {method!r} does not apply to model family {family!r} "
+        raise ConfigError(f"{where}: method {method!r} does not apply to model family {family!r} "
                           f"({prediction} prediction): use ddpo for sd / sdxl / chess, any other method for "
                           "flow models")
 
@@ -50,7 +50,7 @@ def check_discrete(config: RunConfig) -> None:
     ]
     for key, ok, message in problems:
         if not ok:
-            raise ConfigError(f"config: {key} {message}")
+            raise ConfigError(f"{source_of(config, key)}: {key} {message}")
 
 
 def adapter_for(config: RunConfig):
@@ -58,8 +58,8 @@ def adapter_for(config: RunConfig):
     from pipelines import FAMILIES, adapter_class
 
     if config.model.family not in FAMILIES:
-        raise ConfigError(f"config: model.family: unknown model family {config.model.family!r}; available: "
-                          f"{', '.join(sorted(FAMILIES))}")
+        raise ConfigError(f"{source_of(config, 'model.family')}: model.family: unknown model family "
+                          f"{config.model.family!r}; available: {', '.join(sorted(FAMILIES))}")
     return adapter_class(config.model.family)
 
 
@@ -72,35 +72,38 @@ def check_model(config: RunConfig):
     try:
         check_folder_family(m.family, m.path)
     except ValueError as error:
-        raise ConfigError(f"config: model.family: {error}") from None
+        raise ConfigError(f"{source_of(config, 'model.family')}: model.family: {error}") from None
     prediction = getattr(cls, "prediction", "velocity")
-    check_method_family(config.method, m.family, prediction)
+    check_method_family(config.method, m.family, prediction, source_of(config, "method"))
     if prediction == "logits":
         check_discrete(config)
     for key, value in m.kwargs.items():
         try:
             check_adapter_options(m.family, {key: value})
         except ValueError as error:
-            raise ConfigError(f"config: model.kwargs.{key}: {error}") from None
+            raise ConfigError(f"{source_of(config, 'model.kwargs.' + key)}: model.kwargs.{key}: {error}") from None
     if m.gradient_checkpointing and not getattr(cls, "supports_gradient_checkpointing", True):
-        raise ConfigError(f"config: model.gradient_checkpointing is not supported by the {m.family!r} family; "
-                          "set it to false")
+        raise ConfigError(f"{source_of(config, 'model.gradient_checkpointing')}: model.gradient_checkpointing is not "
+                          f"supported by the {m.family!r} family; set it to false")
     if config.explore.mode != "none" and prediction != "velocity":  # Trainer._build_explorer checks it again, loaded
-        raise ConfigError("config: explore.mode needs a flow model (its SDE steps); DDIM has no exploration net")
+        raise ConfigError(f"{source_of(config, 'explore.mode')}: explore.mode needs a flow model (its SDE steps); DDIM "
+                          "has no exploration net")
     return cls
 
 
-def reward_factory(name: str, key: str):
-    """The registered factory of reward ``name`` (ConfigError naming ``key`` when unknown)."""
+def reward_factory(name: str, key: str, where: str = "config"):
+    """The registered factory of reward ``name`` (ConfigError naming ``key`` and ``where`` it was set
+    when unknown)."""
     from reward_models.base import _REGISTRY, available_rewards
 
     names = available_rewards()  # loads the built-ins and the plug-ins
     if name not in _REGISTRY:
-        raise ConfigError(f"config: {key}: unknown reward {name!r}; available: {', '.join(names)}")
+        raise ConfigError(f"{where}: {key}: unknown reward {name!r}; available: {', '.join(names)}")
     return _REGISTRY[name]
 
 
-def reward_arguments(factory, kwargs: dict, name: str, key: str) -> dict[str, tuple[object, bool]]:
+def reward_arguments(factory, kwargs: dict, name: str, key: str,
+                     where: str = "config") -> dict[str, tuple[object, bool]]:
     """``kwargs`` checked against the factory's signature → every argument: (value, given). A
     factory taking ``**kwargs`` accepts any name."""
     parameters = dict(inspect.signature(factory).parameters)
@@ -109,11 +112,11 @@ def reward_arguments(factory, kwargs: dict, name: str, key: str) -> dict[str, tu
     named = {n: p for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     for arg in kwargs:
         if arg not in named and not open_ended:
-            raise ConfigError(f"config: {key}.{arg}: reward {name!r} takes no argument {arg!r}; it accepts: "
+            raise ConfigError(f"{where}: {key}.{arg}: reward {name!r} takes no argument {arg!r}; it accepts: "
                               f"{', '.join(named) or 'none'}")
     missing = [n for n, p in named.items() if p.default is p.empty and n not in kwargs]
     if missing:
-        raise ConfigError(f"config: {key}.{missing[0]}: reward {name!r} needs it (no default)")
+        raise ConfigError(f"{where}: {key}.{missing[0]}: reward {name!r} needs it (no default)")
     values = {n: (p.default, False) for n, p in named.items()}
     values.update({n: (v, True) for n, v in kwargs.items()})
     return values
@@ -123,15 +126,16 @@ def check_rewards(config: RunConfig, adapter_cls=None) -> None:
     """The reward, its arguments and weights, the extra evaluation rewards; for a video family, no
     image-only reward (the trainer's own modality check, on the reward classes)."""
     r = config.reward
-    factory = reward_factory(r.name, "reward.name")
-    reward_arguments(factory, r.kwargs, r.name, "reward.kwargs")
+    factory = reward_factory(r.name, "reward.name", source_of(config, "reward.name"))
+    reward_arguments(factory, r.kwargs, r.name, "reward.kwargs", source_of(config, "reward.kwargs"))
     declared = getattr(factory, "components", ()) if isinstance(factory, type) else ()
     unknown = sorted(set(r.weights) - set(declared)) if declared else []
     if unknown:
-        raise ConfigError(f"config: reward.weights names {unknown}, but reward {r.name!r} returns {list(declared)}")
+        raise ConfigError(f"{source_of(config, 'reward.weights')}: reward.weights names {unknown}, but reward "
+                          f"{r.name!r} returns {list(declared)}")
     extras = []
     for i, name in enumerate(config.eval.extra_rewards):
-        extra = reward_factory(name, f"eval.extra_rewards[{i}]")
+        extra = reward_factory(name, f"eval.extra_rewards[{i}]", source_of(config, "eval.extra_rewards"))
         reward_arguments(extra, {}, name, f"eval.extra_rewards[{i}] (no options can be given)")
         extras.append(extra)
     if adapter_cls is not None:
@@ -141,21 +145,59 @@ def check_rewards(config: RunConfig, adapter_cls=None) -> None:
         Trainer._check_modality(types.SimpleNamespace(config=config, reward=factory, extra_rewards=extras))
 
 
-def validate(config: RunConfig) -> None:
+def check_prompt_sets(config: RunConfig, missing_ok: bool = False) -> None:
+    """``data.train_prompts`` and ``data.eval_prompts`` read (split names, file type, every JSON
+    line) and hold at least one prompt; ``missing_ok``: a file absent on this machine passes (the
+    dry run lists it as missing)."""
+    from flowalign.prompts import load_prompts
+
+    for key in ("data.train_prompts", "data.eval_prompts"):
+        source = getattr(config.data, key.split(".")[1])
+        where = source_of(config, key)
+        kind, _, split = source.partition(":")
+        if kind == "chess" and split.split(":")[0] in ("train", "test"):
+            continue  # the chess splits are read from the model folder and puzzle file: seconds, at load time
+        try:
+            records = load_prompts(source)
+        except (ValueError, OSError) as error:  # a bad split, type or JSON line; a missing file
+            if missing_ok and isinstance(error, FileNotFoundError):
+                continue
+            named = "" if Path(source).name in str(error) else f" {source}"  # a file's errors name it
+            raise ConfigError(f"{where}: {key}{named}: {error}") from None
+        if not any(str(r["prompt"]).strip() for r in records):
+            raise ConfigError(f"{where}: {key}: {source} holds no prompts (empty, or blank lines only)")
+
+
+def check_output_dir(config: RunConfig) -> None:
+    """``output_dir`` is, or can become, a folder: neither it nor a folder above it is a file."""
+    out = Path(config.output_dir).expanduser()
+    blocking = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise ConfigError(f"{source_of(config, 'output_dir')}: output_dir: {blocking} is a file, not a folder; "
+                          "name a folder (it is created when missing)")
+
+
+def validate(config: RunConfig, missing_ok: bool = False) -> None:
     """Every check that needs no weights (raises ConfigError, or ModelNotFoundError for a missing
-    local model folder)."""
-    from pipelines.base import resolve_model_path
+    local model folder or a name that is neither a built-in demo model nor a hub id).
+    ``missing_ok``: prompt files absent on this machine pass (the dry run reports them)."""
+    from pipelines.base import ModelNotFoundError, resolve_model_path
 
     check_values(config)
     cls = check_model(config)
     check_rewards(config, cls)
-    resolve_model_path(config.model.path)  # a missing local folder fails here (ModelNotFoundError); a hub id passes
+    check_prompt_sets(config, missing_ok)
+    check_output_dir(config)
+    try:
+        resolve_model_path(config.model.path)  # a hub id passes; its download is tried when the model loads
+    except ModelNotFoundError as error:
+        raise ModelNotFoundError(f"{source_of(config, 'model.path')}: model.path: {error}") from None
 
 
 # -- the dry run ----------------------------------------------------------------------------
 def dry_run(config: RunConfig, recipe: str | None = None) -> str:
     """Validate ``config`` and say what training it would load and do (text, one fact a line)."""
-    validate(config)
+    validate(config, missing_ok=True)
     cls = adapter_for(config)
     warnings: list[str] = []
     lines = [("recipe", recipe or "(defaults)"), ("method", _method_text(config, cls))]

@@ -30,11 +30,19 @@ def load_prompts(source: str) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: tried {path.resolve()} (or use shapes:train / shapes:test / chess:train / chess:test / av:train / av:test)")
     if path.suffix == ".jsonl":
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        bad = [i + 1 for i, r in enumerate(records) if not isinstance(r, dict) or "prompt" not in r]
-        if bad:
-            raise ValueError(f"{path}: line {bad[0]} has no \"prompt\" key")
+        records = []
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as error:
+                raise ValueError(f"{path}: line {number} is not JSON ({error})") from None
+            if not isinstance(record, dict) or "prompt" not in record:
+                raise ValueError(f"{path}: line {number} has no \"prompt\" key")
+            records.append(record)
         return records
     if path.suffix == ".txt":
         return [{"prompt": line.strip()} for line in path.read_text().splitlines() if line.strip()]
-    raise ValueError(f"{path}: prompt files must be .txt or .jsonl")
+    raise ValueError(f"{path}: prompt files must be .txt (one prompt a line) or .jsonl (one record a line), "
+                     f"got {path.suffix or 'no extension'}")

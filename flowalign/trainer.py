@@ -17,10 +17,11 @@ positions is trained with ``objectives.masked_ddpo.masked_ddpo_loss`` (clipped r
 LoRA-disabled reference, entropy bonus) and the method is ``ddpo``. Evaluation samples with a
 fixed generator, reports board diversity and draws the boards.
 
-Faults (docs/distributed.md): SIGTERM / SIGINT stop the run after the epoch in progress, with a
-checkpoint; a checkpoint is written to ``epoch-N.tmp/``, renamed when complete, lists its files'
-sizes, and is read and checked whole before any of it is applied; an optimizer step whose loss or
-gradient is not finite is skipped on every process and counted; a full disk is named as such.
+Faults (docs/distributed.md, docs/faults.md): SIGTERM / SIGINT stop the run after the epoch in
+progress, with a checkpoint; a checkpoint is written to ``epoch-N.tmp/``, renamed when complete,
+lists its files' sizes and SHA-256, and is read and checked whole before any of it is applied; an
+optimizer step whose loss or gradient is not finite is skipped on every process and counted; a
+full disk is named as such; the reward's failures are handled by ``flowalign.faults``.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ from tqdm.auto import tqdm
 from flowalign.advantages import PerPromptStatTracker, combine_rewards, extremes_mask, group_advantages
 from flowalign.config import ConfigError, RunConfig, to_dict
 from flowalign.evaluation import paired_change
-from flowalign.grids import as_image_cells, save_grid, side_by_side, to_pil_grid
+from flowalign.faults import NanEpochStreak, RewardGuard, finite_json
+from flowalign.grids import as_image_cells, load_grids, save_grid, side_by_side, to_pil_grid
+from flowalign.integrity import folder_sha256, sha256_mismatch
 from flowalign.objectives.av_routing import (RewardRouter, branch_advantages, branch_contrasts, interaction_gram,
                                              layer_gradient_scales, routed_nft_loss, token_weights)
 from flowalign.objectives.diffusion_nft import diffusion_nft_loss, old_policy_decay, optimality_probability
@@ -197,7 +200,8 @@ class Trainer:
         self.train_specs = load_prompts(config.data.train_prompts)
         self.prompt_weights = prompt_weights(self.train_specs, config.data.balance_tags)
         self.eval_specs = load_prompts(config.data.eval_prompts)
-        self.reward = build_reward(config.reward.name, **config.reward.kwargs)
+        r = config.reward  # each call with a deadline and an error policy (flowalign/faults.py)
+        self.reward = RewardGuard(build_reward(r.name, **r.kwargs), r.name, r.timeout_s, r.on_error, r.weights)
         self.extra_rewards = [build_reward(name) for name in config.eval.extra_rewards]
         declared = getattr(self.reward, "components", ())
         unknown = sorted(set(config.reward.weights) - set(declared)) if declared else []
@@ -240,6 +244,7 @@ class Trainer:
         self.streams = [shard_generators(t.seed, shard) for shard in self.shards]
         self.plan_generator = torch.Generator().manual_seed(t.seed * 1_000_003 + 104_729)  # shared by processes
         self.epoch = 0
+        self.resumed_seconds, self.session_start = 0.0, time.time()  # train_minutes before this session; its start
         self.history: list[dict] = []
         self.evals: dict[str, dict] = {}
         self.explorer, self.explorer_optimizer = self._build_explorer()
@@ -349,7 +354,8 @@ class Trainer:
                            + " (the same seed and these give the same numbers)")
             if "before" not in self.evals:
                 self.evals["before"] = self.evaluate("before")
-            start = time.time()
+            start = self.session_start = time.time()
+            nan_streak = NanEpochStreak(cfg.train.max_nan_epochs)
             bar = tqdm(range(self.epoch, cfg.train.epochs), desc="epochs", disable=not acc.is_main_process,
                        initial=self.epoch, total=cfg.train.epochs)
             for epoch in bar:
@@ -357,6 +363,7 @@ class Trainer:
                 self.epoch = epoch + 1
                 self.history.append(stats)
                 acc.log(stats, step=self.epoch)
+                nan_streak.observe(stats, self.epoch)  # a reward NaN for every sample, epoch after epoch: stop
                 bar.set_postfix(reward=f"{stats['reward/mean']:.3f}", clipfrac=f"{stats.get('train/clipfrac', 0):.2f}")
                 out_of_time = cfg.train.max_minutes is not None and bool(self._across_processes(
                     [self._train_seconds() / 60 >= cfg.train.max_minutes]).any())
@@ -375,7 +382,8 @@ class Trainer:
                                          saved or self.save_checkpoint())
             self.evals["after"] = self.evaluate("after")
             self.save_checkpoint()
-            summary = self._write_outputs(time.time() - start)
+            with outputs_disk_full(self.out):
+                summary = self._write_outputs(self.resumed_seconds + time.time() - start)
         acc.end_training()
         return summary
 
@@ -1054,7 +1062,7 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """``checkpoints/epoch-NNNNNN/``: trained weights (safetensors), optimizer, EMA, every
         shard's generator states (and prompt trackers), the counters, a manifest of every file's
-        size, plus ``policy/`` (the evaluated weights, EMA if used, in the format of ``final/``).
+        size and SHA-256, plus ``policy/`` (the evaluated weights, EMA if used, in the format of ``final/``).
         Written to ``epoch-NNNNNN.tmp/``, renamed when complete. Refuses non-finite weights; a full
         disk raises DiskFullError and leaves the previous checkpoints as they were."""
         acc = self.accelerator
@@ -1124,7 +1132,8 @@ class Trainer:
         state = {"epoch": self.epoch, "history": self.history, "evals": self.evals,
                  "num_processes": acc.num_processes, "rng_shards": len(self.shards) * acc.num_processes,
                  "files": {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
-                           if p.is_file()}}
+                           if p.is_file()}, "sha256": folder_sha256(folder),
+                 "elapsed_s": self.resumed_seconds + time.time() - self.session_start}
         (folder / "state.json").write_text(json.dumps(state))
         _fsync([*sorted(p for p in folder.rglob("*") if p.is_file()), folder])  # data on disk before the rename
 
@@ -1176,7 +1185,7 @@ class Trainer:
 
     def read_checkpoint(self, path: Path) -> dict:
         """Everything this process needs from ``path``, read and checked before any of it is applied:
-        the manifest's sizes, every safetensors header, the optimizer (``weights_only``: tensors
+        the manifest's sizes and hashes, every safetensors header, the optimizer (``weights_only``: tensors
         and plain containers, no pickled code), finite weights. Raises CheckpointError naming the
         file; ValueError when the checkpoint is fine but was written by another process layout."""
         acc = self.accelerator
@@ -1198,6 +1207,8 @@ class Trainer:
             if file.stat().st_size != size:
                 raise CheckpointError(f"{file}: {file.stat().st_size} bytes, {size} when written (truncated or "
                                       "overwritten)")
+        if (changed := sha256_mismatch(path, state.get("sha256", {}))) is not None:  # same size, other bytes
+            raise CheckpointError(changed)
         # all on the CPU ("cpu:0", a multi-CPU run's device, is no map location): loading copies into place
         trained = _read_safetensors(path / "trained.safetensors")
         if not all(torch.isfinite(v).all() for v in trained.values()):
@@ -1243,6 +1254,7 @@ class Trainer:
             tracker.load_state_dict(state)
         state = loaded["state"]
         self.epoch, self.history, self.evals = state["epoch"], state["history"], state["evals"]
+        self.resumed_seconds = state.get("elapsed_s", self._train_seconds())  # older checkpoints: the epochs'
 
     # -- outputs -------------------------------------------------------------------------
     def _write_outputs(self, seconds: float) -> dict:
@@ -1264,13 +1276,13 @@ class Trainer:
             if before and after:
                 summary["delta"] = {k: after[k] - before[k] for k in after
                                     if isinstance(after[k], float) and isinstance(before.get(k), float)}
-            grids = getattr(self, "_grids", {})
+            grids = {**load_grids(self.out / "grids", ("before",)), **getattr(self, "_grids", {})}  # resumed: on disk
             if "before" in grids and "after" in grids:
                 side_by_side({"before": grids["before"], "after": grids["after"]}).save(
                     self.out / "grids" / "before_after.png")
-            (self.out / "metrics.json").write_text(json.dumps(summary, indent=2))
+            (self.out / "metrics.json").write_text(json.dumps(finite_json(summary), indent=2))  # NaN → null
             with open(self.out / "history.jsonl", "w") as f:
-                f.writelines(json.dumps(h) + "\n" for h in self.history)
+                f.writelines(json.dumps(finite_json(h)) + "\n" for h in self.history)
         return summary
 
 
@@ -1379,6 +1391,22 @@ def _free_mb(folder: Path) -> str:
         return f"{shutil.disk_usage(folder).free / 2**20:.1f}"
     except OSError:
         return "?"
+
+
+@contextlib.contextmanager
+def outputs_disk_full(out: Path):
+    """A full disk while the run's outputs (final/, metrics.json, grids) are written raises
+    DiskFullError, which says that the last checkpoint holds the run and resume=auto writes them."""
+    try:
+        yield
+    except Exception as error:
+        if not _is_disk_full(error):
+            raise
+        previous = checkpoint_folders(out / "checkpoints")
+        raise DiskFullError(
+            f"disk full while writing the run's outputs in {out} (final/, metrics.json, grids; free: {_free_mb(out)} "
+            f"MB; {error}). The last checkpoint ({previous[-1] if previous else 'none'}) is complete: free some space "
+            "and continue with resume=auto to write them") from error
 
 
 def _torch_save(obj, path: Path) -> None:

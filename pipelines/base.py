@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ContextManager, Protocol
@@ -109,11 +110,26 @@ def resolve_model_path(name_or_path: str) -> str:
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return str(path)
+    demos = sorted(p.name for p in DEMO_MODELS_DIR.iterdir() if p.is_dir()) if DEMO_MODELS_DIR.is_dir() else []
+    if "/" not in name_or_path and not path.exists():  # a hub id is owner/name: a misspelled demo name, not the hub
+        close = difflib.get_close_matches(name_or_path, demos, n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ModelNotFoundError(
+            f"{name_or_path!r} is not a built-in demo model ({hint}built-in: {', '.join(demos) or 'none'}) nor a "
+            f"local folder (tried {path.resolve()}); a hub id has the form owner/name")
     if name_or_path.startswith((".", "/", "~")) or path.exists() or name_or_path.count("/") > 1:
-        demos = sorted(p.name for p in DEMO_MODELS_DIR.iterdir() if p.is_dir()) if DEMO_MODELS_DIR.is_dir() else []
         raise ModelNotFoundError(
             f"model folder not found: tried {path.resolve()} (built-in demo models: {', '.join(demos) or 'none'})")
     return name_or_path
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    """The first exception of ``error``'s chain (what went wrong, under the layers that re-raised it)."""
+    seen = {id(error)}
+    while (inner := error.__cause__ or error.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        error = inner
+    return error
 
 
 def load_with_hub_fallback(loader, name_or_path: str, **kwargs):
@@ -124,10 +140,15 @@ def load_with_hub_fallback(loader, name_or_path: str, **kwargs):
     except OSError as error:
         if Path(resolved).is_dir():
             raise
+        # diffusers' own message points to "the stacktrace above", which the command line does not print
+        root = _root_cause(error)
+        reason = (str(root).splitlines() or [""])[0]
         raise ModelNotFoundError(
             f"could not load {name_or_path!r}: no local folder {Path(name_or_path).resolve()} and the hub id "
-            f"failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
-            "Pass a local diffusers folder or a built-in demo name.") from error
+            f"failed ({type(root).__name__}: {reason}). If the id is right and the model is not in the local "
+            "Hugging Face cache, this machine needs the network (or HF_ENDPOINT / a proxy); elsewhere, "
+            f"`huggingface-cli download {name_or_path}` fills the cache, or pass a local diffusers folder or a "
+            "built-in demo name.") from error
 
 
 @contextlib.contextmanager

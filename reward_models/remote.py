@@ -12,6 +12,14 @@ Server (``flowalign reward-server --reward NAME``): binds 127.0.0.1 unless told 
 that arrive together are merged into one reward call of at most ``max_batch`` samples (dynamic
 batching), so many small clients still use the model's batch.
 
+Bounds, so that one client cannot take the server's memory or its time from the others: the
+request body (``max_payload`` bytes, checked against ``Content-Length`` before any byte is read; a
+negative or missing length is refused unread), the decoded pixels of one sample and of one request
+(``max_image_pixels``, ``max_request_pixels``, read from each PNG's header or NPY's shape before
+decoding; 413 naming the bound), the time to send the body and to score it (``timeout_s``: 408,
+503), and the time a connection may stay silent (``idle_timeout_s``, then it is closed and its
+thread ends). A malformed field answers 400 naming it.
+
 Client (reward name ``remote``): ``reward.name=remote reward.kwargs={url: http://host:port}``.
 Each call has a timeout and is retried with exponential backoff; when the server stays
 unreachable the batch is scored NaN, which the trainer drops and counts, so a crashed server
@@ -40,6 +48,10 @@ from reward_models.base import Reward, register_reward
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_PAYLOAD = 64 * 2**20
+DEFAULT_MAX_IMAGE_PIXELS = 2**22  # 2048 × 2048 per sample (an NPY sample: its values / 3)
+DEFAULT_MAX_REQUEST_PIXELS = 2**26  # 64 samples of 1024 × 1024 per request
+DEFAULT_TIMEOUT_S = 300.0  # to receive a request's body, and to score it
+DEFAULT_IDLE_TIMEOUT_S = 30.0  # a connection silent this long is closed
 
 
 # --------------------------------------------------------------------------- encoding
@@ -65,15 +77,78 @@ def encode_samples(samples: torch.Tensor, fmt: str = "png") -> list[str]:
     raise ValueError(f"format must be 'png' or 'npy', got {fmt!r}")
 
 
+class TooLarge(ValueError):
+    """A request over one of the server's bounds (answered 413, naming it)."""
+
+
+def sample_pixels(item: bytes, fmt: str) -> int:
+    """Pixels one encoded sample decodes to, read from its header only: a PNG's width × height, an
+    NPY array's values / 3 (RGB)."""
+    if fmt == "png":
+        width, height = Image.open(io.BytesIO(item)).size  # lazy: the header, not the pixels
+        return width * height
+    buffer = io.BytesIO(item)
+    major, _ = np.lib.format.read_magic(buffer)
+    read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+    shape, _, _ = read_header(buffer)
+    return int(np.prod(shape, dtype=np.int64)) // 3
+
+
+def check_pixels(items: list[bytes], fmt: str, max_image: int, max_request: int) -> None:
+    """TooLarge when a sample or the request would decode to more than its bound of pixels."""
+    total = 0
+    for k, item in enumerate(items):
+        pixels = sample_pixels(item, fmt)
+        if pixels > max_image:
+            raise TooLarge(f"samples[{k}] decodes to {pixels} pixels, above the server's bound of {max_image} per "
+                           "sample (--max-image-pixels)")
+        total += pixels
+    if total > max_request:
+        raise TooLarge(f"the request decodes to {total} pixels, above the server's bound of {max_request} per "
+                       "request (--max-request-pixels): send fewer samples per request")
+
+
 def decode_samples(items: list[str], fmt: str) -> torch.Tensor:
     """Inverse of ``encode_samples``: float [B, 3, H, W] in [0, 1] (png) or float [B, ...] (npy)."""
+    raw = [s if isinstance(s, bytes) else base64.b64decode(s) for s in items]  # the server passes them decoded
     if fmt == "png":
-        arrays = [np.asarray(Image.open(io.BytesIO(base64.b64decode(s))).convert("RGB")) for s in items]
+        arrays = [np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in raw]
         return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255
     if fmt == "npy":
-        arrays = [np.load(io.BytesIO(base64.b64decode(s)), allow_pickle=False) for s in items]
+        arrays = [np.load(io.BytesIO(b), allow_pickle=False) for b in raw]
         return torch.from_numpy(np.stack(arrays)).float()
     raise ValueError(f"format must be 'png' or 'npy', got {fmt!r}")
+
+
+def parse_request(body: bytes, max_image: int, max_request: int) -> tuple[torch.Tensor, list[str], list[dict]]:
+    """A /score body → (samples, prompts, metadata). ValueError naming the malformed field;
+    TooLarge before decoding when the pixels exceed a bound."""
+    request = json.loads(body)
+    if not isinstance(request, dict):
+        raise ValueError("the body must be a JSON object with samples, prompts and metadata")
+    fmt = request.get("format", "png")
+    if fmt not in ("png", "npy"):
+        raise ValueError(f"format must be 'png' or 'npy', got {fmt!r}")
+    samples, prompts = request.get("samples"), request.get("prompts")
+    metadata = request.get("metadata")
+    if not isinstance(samples, list) or not all(isinstance(s, str) for s in samples):
+        raise ValueError("samples must be a list of base64 strings")
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise ValueError("prompts must be a list of strings")
+    metadata = [{} for _ in prompts] if metadata is None else metadata
+    if not isinstance(metadata, list) or not all(isinstance(m, dict) for m in metadata):
+        raise ValueError("metadata must be a list of objects (or null)")
+    if not (len(samples) == len(prompts) == len(metadata)):
+        raise ValueError(f"samples, prompts and metadata differ in length: {len(samples)}, {len(prompts)}, "
+                         f"{len(metadata)}")
+    try:
+        raw = [base64.b64decode(s, validate=True) for s in samples]
+        check_pixels(raw, fmt, max_image, max_request)
+    except TooLarge:
+        raise
+    except Exception as error:  # noqa: BLE001  (binascii, PIL and numpy each raise their own)
+        raise ValueError(f"samples: not base64 {fmt.upper()} ({type(error).__name__}: {error})") from None
+    return decode_samples(raw, fmt), prompts, metadata
 
 
 # --------------------------------------------------------------------------- server
@@ -87,11 +162,16 @@ class _Batcher:
         self.requests: queue.Queue = queue.Queue()
         threading.Thread(target=self._work, daemon=True).start()
 
-    def score(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict]) -> dict:
+    def score(self, samples: torch.Tensor, prompts: list[str], metadata: list[dict],
+              timeout: float | None = None) -> dict:
+        """The scores of one request; TimeoutError when not done within ``timeout`` seconds (a job
+        not yet started by then is dropped, never scored for a client that is gone)."""
         done = threading.Event()
         job = {"samples": samples, "prompts": prompts, "metadata": metadata, "done": done}
         self.requests.put(job)
-        done.wait()
+        if not done.wait(timeout):
+            job["abandoned"] = True
+            raise TimeoutError(f"not scored within {timeout:g} s (--timeout-s)")
         if "error" in job:
             raise job["error"]
         return job["result"]
@@ -99,12 +179,16 @@ class _Batcher:
     def _work(self) -> None:
         while True:
             jobs = [self.requests.get()]
+            if jobs[0].get("abandoned"):
+                continue
             size = len(jobs[0]["prompts"])
             while size < self.max_batch:
                 try:
                     job = self.requests.get_nowait()
                 except queue.Empty:
                     break
+                if job.get("abandoned"):
+                    continue
                 if size + len(job["prompts"]) > self.max_batch:
                     self.requests.put(job)  # goes into the next call
                     break
@@ -135,14 +219,17 @@ class _Batcher:
 
 
 def make_server(reward: Reward, name: str, host: str = "127.0.0.1", port: int = 0, max_batch: int = 64,
-                max_payload: int = DEFAULT_MAX_PAYLOAD) -> ThreadingHTTPServer:
+                max_payload: int = DEFAULT_MAX_PAYLOAD, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS, timeout_s: float = DEFAULT_TIMEOUT_S,
+                idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> ThreadingHTTPServer:
     """A ready-to-serve HTTP server (``server.serve_forever()``); port 0 picks a free port
-    (``server.server_address``)."""
+    (``server.server_address``). The bounds: the module docstring."""
     batcher = _Batcher(reward, max_batch)
     components = list(getattr(reward, "components", ()))
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = idle_timeout_s  # per socket read: an idle or stalled connection is closed, its thread ends
 
         def log_message(self, fmt, *args):  # quiet by default; errors are answered, not printed
             log.debug(fmt, *args)
@@ -164,25 +251,49 @@ def make_server(reward: Reward, name: str, host: str = "127.0.0.1", port: int = 
         def do_POST(self):
             if self.path != "/score":
                 return self._answer(404, {"error": f"unknown path {self.path}; use POST /score"})
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > max_payload:
+            text = self.headers.get("Content-Length")
+            length = int(text) if text is not None and text.strip().isdigit() else None
+            if length is None or length > max_payload:  # refused before a byte of the body is read
                 self.close_connection = True
+                if text is None:
+                    return self._answer(411, {"error": "bad request: a Content-Length header is required"})
+                if length is None:
+                    return self._answer(400, {"error": f"bad request: Content-Length must be a byte count ≥ 0, "
+                                                       f"got {text!r}"})
                 return self._answer(413, {"error": f"payload of {length} bytes exceeds the limit of {max_payload}"})
             try:
-                request = json.loads(self.rfile.read(length))
-                samples = decode_samples(request["samples"], request.get("format", "png"))
-                prompts = list(request["prompts"])
-                metadata = list(request.get("metadata") or [{} for _ in prompts])
-                if not (len(samples) == len(prompts) == len(metadata)):
-                    raise ValueError(f"{len(samples)} samples, {len(prompts)} prompts, {len(metadata)} metadata")
+                body = self._read_body(length)
+            except TimeoutError as error:
+                self.close_connection = True
+                return self._answer(408, {"error": str(error)})
+            try:
+                samples, prompts, metadata = parse_request(body, max_image_pixels, max_request_pixels)
+            except TooLarge as error:
+                return self._answer(413, {"error": str(error)})
             except Exception as error:  # noqa: BLE001  (a bad request, answered as such)
                 return self._answer(400, {"error": f"bad request: {type(error).__name__}: {error}"})
             try:
-                result = batcher.score(samples, prompts, metadata)
+                result = batcher.score(samples, prompts, metadata, timeout_s)
+            except TimeoutError as error:
+                return self._answer(503, {"error": f"reward busy: {error}"})
             except Exception as error:  # noqa: BLE001
                 return self._answer(500, {"error": f"reward failed: {type(error).__name__}: {error}"})
             self._answer(200, {"components": {k: [None if math.isnan(x) else x for x in v]
                                               for k, v in result.items()}})
+
+        def _read_body(self, length: int) -> bytes:
+            """The body, in chunks, within timeout_s in all (a client sending a byte now and then
+            never trips the per-read idle timeout)."""
+            deadline, chunks, left = time.monotonic() + timeout_s, [], length
+            while left > 0:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"request body not received within {timeout_s:g} s (--timeout-s)")
+                chunk = self.rfile.read1(min(left, 2**20))
+                if not chunk:
+                    break  # the client closed early: the JSON parse names what is missing
+                chunks.append(chunk)
+                left -= len(chunk)
+            return b"".join(chunks)
 
     server = ThreadingHTTPServer((host, port), Handler)
     server.daemon_threads = True

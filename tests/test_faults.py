@@ -1,10 +1,13 @@
 """Faults a long run meets: SIGKILL at random moments, SIGTERM, corrupt or half-written
-checkpoints, a full disk, non-finite advantages, losses and gradients. Each is survived, or
-refused with a message that names the file, and a resumed run still equals the uninterrupted one."""
+checkpoints (flipped bytes included), a full disk (checkpoints, final/), non-finite advantages,
+losses and gradients, a reward that hangs, raises or is NaN epoch after epoch. Each is survived, or
+refused with a message that names the file or the reward, and a resumed run still equals the
+uninterrupted one (docs/faults.md)."""
 
 import errno
 import json
 import math
+import os
 import random
 import shutil
 import signal
@@ -15,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 import flowalign.trainer as trainer_module
+from flowalign.integrity import file_sha256
 from flowalign.trainer import CheckpointError, DiskFullError, Trainer
 from reward_models.base import Reward, register_reward
 from test_distributed import history, run, start, train_command, wait_until_started, write_config
@@ -135,7 +139,12 @@ def test_corrupt_checkpoint_files_are_rejected_with_their_name(tiny_sd3_dir, tmp
     with pytest.raises(CheckpointError, match=r"epoch-000001/state\.json: unreadable, not JSON"):
         resumed(tiny_sd3_dir, tmp_path, str(one))
     optimizer = two / "optimizer.pt"
-    optimizer.write_bytes(b"\0" * optimizer.stat().st_size)  # same size: only parsing can tell
+    optimizer.write_bytes(b"\0" * optimizer.stat().st_size)  # same size: the content hash tells
+    with pytest.raises(CheckpointError, match=r"epoch-000002/optimizer\.pt: content differs"):
+        resumed(tiny_sd3_dir, tmp_path, str(two))
+    state = json.loads((two / "state.json").read_text())
+    del state["sha256"]  # as a checkpoint from before the hashes: only parsing can tell
+    (two / "state.json").write_text(json.dumps(state))
     with pytest.raises(CheckpointError, match=r"epoch-000002/optimizer\.pt: unreadable"):
         resumed(tiny_sd3_dir, tmp_path, str(two))
     with pytest.raises(CheckpointError, match=r"no readable checkpoint in .*epoch-000002: .*epoch-000001: "):
@@ -152,6 +161,7 @@ def test_only_tensors_are_unpickled_from_a_checkpoint(tiny_sd3_dir, tmp_path):
     torch.save({"state": {}, "param_groups": [], "payload": Pickled()}, folder / "optimizer.pt")
     state = json.loads((folder / "state.json").read_text())
     state["files"]["optimizer.pt"] = (folder / "optimizer.pt").stat().st_size  # a consistent manifest
+    state["sha256"]["optimizer.pt"] = file_sha256(folder / "optimizer.pt")
     (folder / "state.json").write_text(json.dumps(state))
     with pytest.raises(CheckpointError, match=r"optimizer\.pt: unreadable \(Weights only load failed"):
         resumed(tiny_sd3_dir, tmp_path, str(folder))
@@ -245,3 +255,156 @@ def test_a_checkpoint_is_never_written_with_nan_weights(tiny_sd3_dir, tmp_path):
     with pytest.raises(CheckpointError, match="refusing to write checkpoint epoch-000000: the trained weights hold"):
         trainer.save_checkpoint()
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+def test_flipped_bytes_inside_tensor_data_are_caught_by_the_content_hash(tiny_sd3_dir, tmp_path, capsys):
+    short_run(tiny_sd3_dir, tmp_path)
+    two = tmp_path / "checkpoints" / "epoch-000002"
+    weights = two / "trained.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-7] ^= 0x40  # inside the last tensor's data: same size, header intact, a finite float still
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"epoch-000002/trained\.safetensors: content differs from when it "
+                                              r"was written \(SHA-256"):
+        resumed(tiny_sd3_dir, tmp_path, str(two))
+    assert resumed(tiny_sd3_dir, tmp_path).epoch == 1  # auto falls back, saying why
+    assert "skipping" in capsys.readouterr().err
+
+
+@register_reward("test_always_nan")
+class AlwaysNaN(Reward):
+    components = ("score",)
+
+    def __call__(self, samples, prompts, metadata):
+        return {"score": torch.full((len(prompts),), float("nan"))}
+
+
+def strict_json(text):
+    def refuse(constant):
+        raise AssertionError(f"bare {constant} in JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_resumed_run_has_every_output_its_time_and_strict_json(tiny_sd3_dir, tmp_path):
+    Trainer(tiny_config(tiny_sd3_dir, tmp_path, "train.epochs=1", "checkpoint_every=1")).train()
+    first = json.loads((tmp_path / "checkpoints" / "epoch-000001" / "state.json").read_text())["elapsed_s"]
+    for output in ("metrics.json", "grids/before_after.png"):
+        (tmp_path / output).unlink()
+    Trainer(tiny_config(tiny_sd3_dir, tmp_path, "train.epochs=2", "resume=auto")).train()
+    assert (tmp_path / "grids" / "before_after.png").is_file()  # "before" was drawn by the first session
+    metrics = strict_json((tmp_path / "metrics.json").read_text())
+    assert metrics["train_minutes"] * 60 > first > 0  # both sessions count
+    # an undefined metric (every reward NaN) is written as null, not as a bare NaN
+    Trainer(tiny_config(tiny_sd3_dir, tmp_path / "nan", "train.epochs=1", "reward.name=test_always_nan",
+                        "train.max_nan_epochs=0")).train()
+    metrics = strict_json((tmp_path / "nan" / "metrics.json").read_text())
+    assert metrics["after"]["score"] is None
+    history = [strict_json(line) for line in (tmp_path / "nan" / "history.jsonl").read_text().splitlines()]
+    assert history[0]["reward/mean"] is None and history[0]["reward/dropped_nan"] == 8
+
+
+def test_every_reward_nan_for_epochs_on_end_stops_the_run_keeping_the_checkpoints(tiny_sd3_dir, tmp_path, capsys):
+    from flowalign.cli import main
+    from test_distributed import write_config
+
+    config = write_config(tiny_sd3_dir, tmp_path / "nan.yaml", "train.epochs=5", "checkpoint_every=1",
+                          "reward.name=test_always_nan", "train.max_nan_epochs=2")
+    assert main(["train", str(config)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "every reward was NaN for 2 consecutive epochs (the last: epoch 2; train.max_nan_epochs=2)" in err
+    # it stops before checkpointing the second NaN epoch: resuming redoes it
+    assert "Kept: " in err and "epoch-000001" in err and "resume=auto" in err
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["epoch-000001"]
+    assert not (tmp_path / "final").exists()
+
+
+@register_reward("test_hanging")
+class Hanging(Reward):
+    """Hangs (for ``seconds``) on the training batches (their specs carry a group_id), not on evaluation."""
+
+    components = ("score",)
+
+    def __init__(self, seconds: float = 3.0, sigterm: bool = False):
+        self.seconds, self.sigterm = seconds, sigterm
+
+    def __call__(self, samples, prompts, metadata):
+        if "group_id" in metadata[0]:
+            if self.sigterm:  # a scheduler's SIGTERM arrives while the call hangs
+                os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(self.seconds)
+        return {"score": samples.mean(dim=(1, 2, 3))}
+
+
+def test_a_hung_reward_scores_its_batch_nan_at_the_deadline(tiny_sd3_dir, tmp_path, capsys):
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, "reward.name=test_hanging", "reward.timeout_s=0.3"))
+    began = time.time()
+    stats = trainer.train_epoch()
+    assert time.time() - began < 2.5  # did not wait for the 3 s call
+    assert stats["reward/dropped_nan"] == 8 and stats["train/skipped"] == 1
+    assert "reward 'test_hanging' did not score batch 1 (8 samples" in capsys.readouterr().err
+    stats = trainer.train_epoch()  # the late call still runs: no second concurrent call, NaN at once
+    assert stats["reward/dropped_nan"] == 8
+    assert "is still running an earlier batch past its deadline; batch 2" in capsys.readouterr().err
+    time.sleep(3)
+    assert trainer.train_epoch()["reward/dropped_nan"] == 8  # the reward still hangs on every training batch
+
+
+def test_sigterm_during_a_hung_reward_call_stops_at_the_deadline_with_a_checkpoint(tiny_sd3_dir, tmp_path):
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, "reward.name=test_hanging", "reward.timeout_s=0.5",
+                                  "reward.kwargs={sigterm: true}", "train.epochs=3"))
+    began = time.time()
+    summary = trainer.train()
+    assert summary["interrupted"] == "SIGTERM" and summary["epochs"] == 1
+    assert time.time() - began < 3  # one signal was enough: the hung call was not waited for
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["epoch-000001"]
+
+
+@register_reward("test_raising")
+class Raising(Reward):
+    components = ("score",)
+
+    def __call__(self, samples, prompts, metadata):
+        if "group_id" in metadata[0]:
+            raise ValueError("the verifier crashed\nsecond line of its message")
+        return {"score": samples.mean(dim=(1, 2, 3))}
+
+
+def test_a_reward_that_raises_is_named_in_one_line_or_scored_nan(tiny_sd3_dir, tmp_path, capsys):
+    from flowalign.cli import main
+    from test_distributed import write_config
+
+    config = write_config(tiny_sd3_dir, tmp_path / "raise.yaml", "train.epochs=3", "checkpoint_every=1",
+                          "reward.name=test_raising")
+    assert main(["train", str(config)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("flowalign: error: reward 'test_raising' raised on batch 2 (8 samples; first prompt")
+    assert "ValueError: the verifier crashed (reward.on_error=nan" in err and "second line" not in err
+    assert "Kept: no checkpoint yet" in err
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path / "nan", "reward.name=test_raising",
+                                  "reward.on_error=nan", "train.epochs=1"))
+    trainer.train()
+    assert trainer.history[0]["reward/dropped_nan"] == 8
+    assert "raised on batch 2 (8 samples" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("folder", ["final", "policy"])
+def test_a_full_disk_while_final_or_policy_is_written_is_named(tiny_sd3_dir, tmp_path, monkeypatch, folder):
+    from safetensors import SafetensorError
+
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, "train.epochs=1"))
+    real_save = trainer.adapter.save_trained
+
+    def full_disk(directory):
+        if directory.name == folder:
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real_save(directory)
+
+    monkeypatch.setattr(trainer.adapter, "save_trained", full_disk)
+    expected = r"disk full while writing the run's outputs in .*final/, metrics.json.*epoch-000001\) is complete" \
+        if folder == "final" else r"disk full while writing checkpoint .*epoch-000001\.tmp"
+    with pytest.raises(DiskFullError, match=expected):
+        trainer.train()
+    if folder == "final":  # the last checkpoint holds the run: resuming writes the outputs
+        Trainer(tiny_config(tiny_sd3_dir, tmp_path, "train.epochs=1", "resume=auto")).train()
+        assert (tmp_path / "final" / "pytorch_lora_weights.safetensors").is_file()

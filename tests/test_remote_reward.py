@@ -1,6 +1,7 @@
 """The reward server and its client over real HTTP on 127.0.0.1: equal scores, batching,
 bounded payloads, retries, and a server that is down costing samples instead of the run."""
 
+import contextlib
 import json
 import random
 import subprocess
@@ -160,3 +161,102 @@ def test_reward_server_command_serves_until_interrupted():
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def raw_request(url: str, head: bytes, body: bytes = b"", timeout: float = 10) -> str:
+    """Send ``head`` (and ``body``) on one socket; the answer's status line and body."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(head + body)
+        answer = b""
+        while data := sock.recv(65536):
+            answer += data
+            if b"\r\n\r\n" in answer and b'"}' in answer:
+                break
+    status, _, rest = answer.decode().partition("\r\n")
+    return status + " " + rest.split("\r\n\r\n")[-1]
+
+
+def score_body(**fields) -> bytes:
+    images, prompts, specs = shapes_batch(2)
+    from reward_models.remote import encode_samples
+
+    return json.dumps({"format": "png", "samples": encode_samples(images), "prompts": prompts, "metadata": specs,
+                       **fields}).encode()
+
+
+def test_decoded_pixels_are_bounded_per_sample_and_per_request_before_decoding(serve):
+    from reward_models.remote import encode_samples
+
+    reward = CountingReward()
+    url = serve(reward, max_image_pixels=64 * 64, max_request_pixels=3 * 64 * 64)
+    client = RemoteReward(url, components=["mean"], retries=0)
+    with pytest.raises(RuntimeError, match=r"samples\[0\] decodes to 4160 pixels, above the server's bound of 4096 "
+                                           r"per sample \(--max-image-pixels\)"):
+        client(torch.rand(1, 3, 65, 64), ["x"], [{}])
+    with pytest.raises(RuntimeError, match=r"the request decodes to 16384 pixels, above .* 12288 per request"):
+        client(torch.rand(4, 3, 64, 64), ["x"] * 4, [{}] * 4)
+    npy = RemoteReward(url, components=["mean"], retries=0, format="npy")
+    with pytest.raises(RuntimeError, match="decodes to 4160 pixels"):  # an NPY sample: its values / 3
+        npy(torch.rand(1, 3, 65, 64), ["x"], [{}])
+    assert reward.calls == 0
+    assert client(torch.rand(3, 3, 64, 64), ["x"] * 3, [{}] * 3)["mean"].shape == (3,)  # at the bounds: scored
+    big = json.dumps({"samples": encode_samples(torch.zeros(1, 3, 4000, 4000)), "prompts": ["x"]}).encode()
+    head = f"POST /score HTTP/1.1\r\nContent-Length: {len(big)}\r\n\r\n".encode()
+    assert raw_request(url, head, big).startswith("HTTP/1.1 413")  # 16 Mpx from a few KB of PNG
+
+
+def test_a_bad_content_length_is_refused_before_the_body_is_read(serve):
+    url = serve(CountingReward(), max_payload=10_000)
+    # no body follows: a server that waited for one (or read to the end) would time this out
+    answer = raw_request(url, b"POST /score HTTP/1.1\r\nContent-Length: -1\r\n\r\n", timeout=5)
+    assert answer.startswith("HTTP/1.1 400") and "Content-Length must be a byte count" in answer
+    answer = raw_request(url, b"POST /score HTTP/1.1\r\nContent-Length: 200000000\r\n\r\n", timeout=5)
+    assert answer.startswith("HTTP/1.1 413") and "exceeds the limit of 10000" in answer
+    assert raw_request(url, b"POST /score HTTP/1.1\r\n\r\n", timeout=5).startswith("HTTP/1.1 411")
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("prompts", "a red circle", "prompts must be a list of strings"),
+    ("metadata", [1, 2], "metadata must be a list of objects"),
+    ("samples", ["not base64!", "AAAA"], "samples: not base64 PNG"),
+    ("format", "gif", "format must be 'png' or 'npy'"),
+])
+def test_malformed_fields_answer_400_naming_the_field(serve, field, value, named):
+    url = serve(build_reward("shapes"), "shapes")
+    body = score_body(**{field: value})
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(urllib.request.Request(url + "/score", data=body, method="POST"))
+    assert error.value.code == 400 and named in error.value.read().decode()
+
+
+class SlowReward(CountingReward):
+    def __call__(self, samples, prompts, metadata):
+        if prompts[0] == "slow":
+            time.sleep(1.5)
+        return {"mean": samples.mean((1, 2, 3))}
+
+
+def test_idle_and_slow_clients_time_out_without_blocking_others(serve):
+    import socket
+
+    url = serve(SlowReward(), idle_timeout_s=0.5, timeout_s=1.0)
+    host, port = url.removeprefix("http://").split(":")
+    idle = socket.create_connection((host, int(port)), timeout=5)
+    began = time.time()
+    assert idle.recv(1) == b"" and time.time() - began < 3  # closed by the server, its thread ended
+    client = RemoteReward(url, components=["mean"], retries=0, format="npy")
+    # a body that trickles in: each read beats the idle timeout, the whole does not beat timeout_s
+    trickle = socket.create_connection((host, int(port)), timeout=5)
+    trickle.sendall(b"POST /score HTTP/1.1\r\nContent-Length: 1000\r\n\r\n")
+    began = time.time()
+    while time.time() - began < 1.6:
+        with contextlib.suppress(OSError):
+            trickle.sendall(b" ")
+        assert client(torch.rand(1, 3, 8, 8), ["fast"], [{}])["mean"].shape == (1,)  # others are served meanwhile
+        time.sleep(0.3)
+    assert trickle.recv(4096).startswith(b"HTTP/1.1 408")
+    began = time.time()  # scoring past timeout_s: a 503, which the client scores NaN (after its retries)
+    assert torch.isnan(client(torch.rand(1, 3, 8, 8), ["slow"], [{}])["mean"]).all() and time.time() - began < 1.4
