@@ -17,6 +17,7 @@ FAMILIES = {"sd3": "pipelines.sd3:SD3Adapter", "sd": "pipelines.sd:SDAdapter", "
 FAMILIES["chess"] = "pipelines.chess:ChessAdapter"  # masked discrete diffusion (prediction "logits")
 FAMILIES["ltx2"] = "pipelines.ltx2:LTX2Adapter"  # joint audio-video latents (pipelines/joint.py)
 FAMILIES["av_demo"] = "pipelines.av_demo:AVDemoAdapter"  # the built-in joint audio-video demo model
+FAMILIES["qwen_image"] = "pipelines.qwen_image:QwenImageAdapter"
 
 # constructor arguments that have their own setting (model.height, ...) or that the loader sets
 LOADER_ARGUMENTS = ("self", "pipe", "device", "height", "width", "num_frames")

@@ -15,6 +15,7 @@ import contextlib
 import copy
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -31,6 +32,34 @@ def torch_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
     return DTYPES[name]
+
+
+def pad_tokens(embeds: torch.Tensor, mask: torch.Tensor | None, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Text hidden states [B, L, D] and their mask [B, L] (None: all tokens real) → both zero-padded
+    (or cut) to ``length`` tokens: what a ``Conditioning`` holds for a family whose pipeline feeds
+    its transformer a variable number of text tokens, so that prompts encoded one by one concatenate."""
+    if mask is None:
+        mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+    embeds, mask = embeds[:, :length], mask[:, :length].long()
+    pad = length - embeds.shape[1]
+    return torch.nn.functional.pad(embeds, (0, 0, 0, pad)), torch.nn.functional.pad(mask, (0, pad))
+
+
+def trim_tokens(embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``pad_tokens``' output [B, length, D], [B, length] → cut to the batch's longest prompt, as the
+    pipeline pads a batch; the mask is None when every token is real (the pipeline then passes none)."""
+    longest = int(mask.sum(dim=1).max())
+    embeds, mask = embeds[:, :longest], mask[:, :longest]
+    return embeds, (None if bool(mask.all()) else mask)
+
+
+def mean_std_latents(x0: torch.Tensor, config) -> torch.Tensor:
+    """x0 [B, C, F, h, w] · latents_std + latents_mean per channel, written as the Wan and Qwen-Image
+    pipelines write it (x / (1 / std) + mean): what their VAE decodes."""
+    shape = (1, config.z_dim, 1, 1, 1)
+    mean = torch.tensor(config.latents_mean).view(shape).to(x0)
+    inverse_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(x0)
+    return x0 / inverse_std + mean
 
 
 def load_trained_weights(pipe, trained: str | Path, model_folder: str, dtype: torch.dtype) -> None:
@@ -126,6 +155,17 @@ class DenoiserAdapter:
         sets for ``num_steps`` with the pipeline's ``set_timesteps`` arguments (``mu``, ``sigmas``)."""
         self.scheduler.set_timesteps(num_steps, device=self.device, **set_timesteps_kwargs)
         return Schedule(sigmas=self.scheduler.sigmas.float().clone(), timesteps=self.scheduler.timesteps.clone())
+
+    def shifted_flow_schedule(self, num_steps: int, image_seq_len: int) -> Schedule:
+        """What FLUX.1, Qwen-Image and Z-Image set: σ's linspace(1, 1/S, S), shifted with mu =
+        calculate_shift(image_seq_len) (the scheduler config's base/max sequence lengths and shifts,
+        FLUX's defaults where it has none) when the scheduler shifts dynamically, else by its fixed shift."""
+        config = self.scheduler.config
+        base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+        base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
+        slope = (max_shift - base_shift) / (max_len - base_len)
+        mu = image_seq_len * slope + (base_shift - slope * base_len)  # calculate_shift's arithmetic, to the bit
+        return self.flow_schedule(num_steps, sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
 
     def negative(self) -> Conditioning:
         """The unconditional branch of CFG [1, ...], as the pipeline makes it (cached)."""

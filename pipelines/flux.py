@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from torch import nn
 
 from pipelines.base import Conditioning, Schedule
@@ -92,15 +90,10 @@ class FluxAdapter(DenoiserAdapter):
 
     # -- sampling ------------------------------------------------------------------------
     def schedule(self, num_steps: int) -> Schedule:
-        """What ``FluxPipeline`` sets: σ's linspace(1, 1/S, S), shifted with mu = calculate_shift(the
-        image sequence length) when the scheduler shifts dynamically (FLUX.1-dev), else by its fixed
-        shift (schnell; mu is then ignored)."""
-        config = self.scheduler.config
+        """What ``FluxPipeline`` sets (``DenoiserAdapter.shifted_flow_schedule`` over its packed
+        sequence length): FLUX.1-dev shifts with the resolution, schnell by its fixed shift."""
         _, h, w = self.latent_shape()
-        mu = calculate_shift((h // 2) * (w // 2), config.get("base_image_seq_len", 256),
-                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                             config.get("max_shift", 1.15))
-        return self.flow_schedule(num_steps, sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+        return self.shifted_flow_schedule(num_steps, (h // 2) * (w // 2))
 
     def predict(self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance_scale: float = 1.0,
                 model: nn.Module | None = None) -> torch.Tensor:

@@ -28,7 +28,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 from torch import nn
 
 from pipelines.base import Conditioning, Schedule
-from pipelines.denoiser import DenoiserAdapter
+from pipelines.denoiser import DenoiserAdapter, mean_std_latents
 
 
 def euler_scheduler(scheduler) -> FlowMatchEulerDiscreteScheduler:
@@ -124,11 +124,7 @@ class WanAdapter(DenoiserAdapter):
     # -- decoding ------------------------------------------------------------------------
     def vae_latents(self, x0: torch.Tensor) -> torch.Tensor:
         """x0·latents_std + latents_mean per channel, written as the pipeline writes it."""
-        config = self.pipe.vae.config
-        shape = (1, config.z_dim, 1, 1, 1)
-        mean = torch.tensor(config.latents_mean).view(shape).to(x0)
-        inverse_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(x0)
-        return x0 / inverse_std + mean
+        return mean_std_latents(x0, self.pipe.vae.config)
 
     @torch.no_grad()
     def decode(self, x0: torch.Tensor) -> torch.Tensor:

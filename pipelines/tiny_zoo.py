@@ -1,0 +1,127 @@
+"""Offline builders for the newer families' pipelines (``pipelines/tiny.py`` holds the first ones):
+small, randomly initialised, every part made in code from the real classes a checkpoint uses:
+
+* Qwen-Image: ``QwenImageTransformer2DModel``, ``AutoencoderKLQwenImage``,
+  ``Qwen2_5_VLForConditionalGeneration`` + ``Qwen2Tokenizer``, ``FlowMatchEulerDiscreteScheduler``
+  with Qwen-Image's configuration (dynamic exponential shift);
+
+Qwen tokenizers are byte-level BPEs (``build_qwen_tokenizer``) with Qwen's pre-tokenizer and chat
+markers, in which every caption word and every word of the pipelines' prompt templates is one
+token, so a template tokenizes into as many tokens as with the real tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|vision_start|>",
+                 "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# Qwen's pre-tokenizer split (words with their leading space, digits one by one, punctuation runs, newlines)
+QWEN_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+# the words of the pipelines' system prompts (QwenImagePipeline's template and its edit variants)
+QWEN_TEMPLATE_TEXT = ("system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+                      "relationships of the objects and background:\nuser\nassistant\nDescribe the key features of "
+                      "the input image (color, shape, size, texture, objects, background), then explain how the user's "
+                      "text instruction should alter or modify the image. Generate a new image that meets the user's "
+                      "requirements while maintaining consistency with the original input where appropriate.\n"
+                      "Picture 1: \n\n")
+# a chat template of Qwen3's form: the user turn, then the assistant's (an empty thinking block unless thinking)
+QWEN3_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def build_qwen_tokenizer(words: list[str]):
+    """A real ``Qwen2Tokenizer`` (byte-level BPE, Qwen's pre-tokenizer, ``<|endoftext|>`` as pad, the
+    chat markers as special tokens, a Qwen3-style chat template) whose merges make every word of
+    ``words`` and of the prompt templates one token, with or without a leading space."""
+    from transformers import Qwen2Tokenizer
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    trainer = trainers.BpeTrainer(vocab_size=10_000, special_tokens=list(QWEN_SPECIALS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = [" ".join(words), " " + " ".join(words), QWEN_TEMPLATE_TEXT]
+    bpe.train_from_iterator(text * 4, trainer=trainer)
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+              for m in json.loads(bpe.to_str())["model"]["merges"]]
+    learnt = bpe.get_vocab()
+    # ids in a fixed order (the trainer's depend on hash order): special tokens first, then sorted
+    ordered = list(QWEN_SPECIALS) + sorted(t for t in learnt if t not in QWEN_SPECIALS)
+    tokenizer = Qwen2Tokenizer(vocab={t: i for i, t in enumerate(ordered)}, merges=merges,
+                               additional_special_tokens=list(QWEN_SPECIALS[1:]))
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    return tokenizer
+
+
+@dataclass
+class TinyQwenImageSizes:
+    """Sizes of a small Qwen-Image pipeline. Defaults are test-sized (fast on one CPU core).
+
+    The VAE (Wan-style, causal 3-D convolutions) compresses 8× in space, as Qwen-Image's; the
+    transformer sees 2×2 patches of its ``latent_channels`` (4× as many channels)."""
+
+    vae_dim: int = 4
+    latent_channels: int = 16
+    text_hidden: int = 32  # Qwen2.5-VL's language model; its last hidden states are the conditioning
+    text_layers: int = 2
+    layers: int = 2
+    heads: int = 2
+    head_dim: int = 16
+    rope_axes: tuple[int, int, int] = (4, 6, 6)  # sums to head_dim
+
+
+# Qwen-Image's scheduler_config.json
+QWEN_IMAGE_SCHEDULER = {"base_image_seq_len": 256, "base_shift": 0.5, "invert_sigmas": False,
+                        "max_image_seq_len": 8192, "max_shift": 0.9, "num_train_timesteps": 1000, "shift": 1.0,
+                        "shift_terminal": 0.02, "stochastic_sampling": False, "time_shift_type": "exponential",
+                        "use_beta_sigmas": False, "use_dynamic_shifting": True, "use_exponential_sigmas": False,
+                        "use_karras_sigmas": False}
+
+
+def _tiny_qwen25_vl(tokenizer, hidden: int, layers: int):
+    """A ``Qwen2_5_VLForConditionalGeneration`` (its vision tower is built but only the edit
+    pipelines run it, on their conditioning image)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    vocab = tokenizer.get_vocab()
+    head_dim = hidden // 2
+    text = dict(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [head_dim // 8, head_dim // 8 * 1.5, head_dim // 8 * 1.5]},
+                pad_token_id=vocab["<|endoftext|>"], eos_token_id=vocab["<|im_end|>"], bos_token_id=None)
+    text["rope_parameters"]["mrope_section"] = [int(s) for s in text["rope_parameters"]["mrope_section"]]
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=112, out_hidden_size=hidden, fullatt_block_indexes=[0])
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=vocab["<|image_pad|>"],
+                              video_token_id=vocab["<|video_pad|>"], vision_start_token_id=vocab["<|vision_start|>"],
+                              vision_end_token_id=vocab["<|vision_end|>"])
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def build_tiny_qwen_image_pipeline(words: list[str], sizes: TinyQwenImageSizes = TinyQwenImageSizes(), seed: int = 0):
+    """A randomly initialised ``QwenImagePipeline`` for captions made of ``words``."""
+    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
+
+    torch.manual_seed(seed)
+    tokenizer = build_qwen_tokenizer(words)
+    vae = AutoencoderKLQwenImage(base_dim=sizes.vae_dim, z_dim=sizes.latent_channels, dim_mult=[1, 1, 1, 1],
+                                 num_res_blocks=1, temperal_downsample=[False, True, True],
+                                 latents_mean=[0.1 * i for i in range(sizes.latent_channels)],
+                                 latents_std=[1.0 + 0.1 * i for i in range(sizes.latent_channels)])
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=4 * sizes.latent_channels, out_channels=sizes.latent_channels,
+        num_layers=sizes.layers, attention_head_dim=sizes.head_dim, num_attention_heads=sizes.heads,
+        joint_attention_dim=sizes.text_hidden, axes_dims_rope=sizes.rope_axes)
+    return QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER), vae=vae,
+                             text_encoder=_tiny_qwen25_vl(tokenizer, sizes.text_hidden, sizes.text_layers),
+                             tokenizer=tokenizer, transformer=transformer)

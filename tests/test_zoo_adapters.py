@@ -1,0 +1,181 @@
+"""The newer text-to-image families (Qwen-Image, ...) against plain diffusers: η = 0 rollouts
+reproduce the pipelines with each family's guidance, SDE steps rescore exactly, LoRA round trip
+through the pipeline's own ``load_lora_weights``, reference policy, decoding, prompt caching."""
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pytest
+import torch
+from adapter_checks import reference_predictions, rescored_gradients
+
+from flowalign.rollout import rollout
+from flowalign.samplers.steps import plan_steps
+from flowalign.worlds.shapes import vocabulary
+from pipelines import adapter_class
+from pipelines.base import PromptEmbeddingCache
+from pipelines.tiny_zoo import build_tiny_qwen_image_pipeline
+
+PROMPTS = ["a photo of a red circle", "a photo of two squares", "a photo of a blue triangle"]
+STEPS = 4
+TOKENS = 32  # text tokens kept per prompt, adapter and pipeline alike
+
+
+@dataclass
+class Variant:
+    """family; builder of its tiny pipeline; the adapter's sizes; the guidance scale the tests use;
+    ``guided(g)``: the pipeline's keyword arguments for the adapter's guidance_scale g;
+    ``packed``: the pipeline's latent output is 2×2-packed tokens [B, N, 4C]."""
+
+    family: str
+    build: Callable
+    sizes: dict
+    guidance: float
+    guided: Callable[[float], dict]
+    packed: bool = True
+    adapter_kwargs: dict = field(default_factory=lambda: {"max_sequence_length": TOKENS})
+
+
+def _qwen_cfg(g: float) -> dict:
+    return {"true_cfg_scale": g, "negative_prompt": " "} if g > 1 else {"true_cfg_scale": 1.0}
+
+
+VARIANTS = {
+    "qwen_image": Variant("qwen_image", lambda: build_tiny_qwen_image_pipeline(vocabulary()),
+                          {"height": 32, "width": 32}, 4.0, _qwen_cfg),
+}
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits (conftest)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """variant → folder of its tiny random pipeline (save_pretrained; each built once, when first asked)."""
+    built = {}
+
+    def folder(variant):
+        if variant not in built:
+            built[variant] = tmp_path_factory.mktemp(f"tiny-{variant}")
+            VARIANTS[variant].build().save_pretrained(built[variant])
+        return built[variant]
+    return folder
+
+
+@pytest.fixture(params=sorted(VARIANTS))
+def tiny(request, folders):
+    """(Variant, folder), for every variant."""
+    return VARIANTS[request.param], folders(request.param)
+
+
+def _adapter(tiny, **kwargs):
+    variant, path = tiny
+    return adapter_class(variant.family).from_pretrained(str(path), **variant.adapter_kwargs, **variant.sizes, **kwargs)
+
+
+def _pipeline(tiny):
+    variant, path = tiny
+    pipe = adapter_class(variant.family).pipeline_class.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _pipeline_output(pipe, tiny, guidance, seed, output_type="latent"):
+    variant, _ = tiny
+    out = pipe(PROMPTS, num_inference_steps=STEPS, output_type=output_type, max_sequence_length=TOKENS,
+               generator=torch.Generator().manual_seed(seed), **variant.sizes, **variant.guided(guidance))
+    return out.images
+
+
+def _as_pipeline_latents(adapter, variant, x):
+    return adapter.pipe._pack_latents(x, *x.shape) if variant.packed else x
+
+
+def _rollout(adapter, guidance, seed, eta=0.0, cond=None):
+    generator = torch.Generator().manual_seed(seed)
+    noise = adapter.initial_noise(len(PROMPTS), generator)
+    plan = plan_steps(STEPS, len(PROMPTS), eta=eta)  # η at every step but the last (an ODE step)
+    cond = adapter.encode(PROMPTS) if cond is None else cond
+    return rollout(adapter, cond, noise, adapter.schedule(STEPS), plan, guidance_scale=guidance, generator=generator)
+
+
+def _perturb(model, name_part: str = "lora_B", std: float = 0.3):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name_part in name:
+                p.add_(torch.randn_like(p) * std)
+
+
+def test_eta_zero_rollout_reproduces_the_pipeline(tiny):
+    variant, _ = tiny
+    adapter = _adapter(tiny)
+    for guidance in (variant.guidance, 1.0):
+        expected = _pipeline_output(_pipeline(tiny), tiny, guidance, seed=3)
+        got = _as_pipeline_latents(adapter, variant, _rollout(adapter, guidance, seed=3).samples)
+        assert got.shape == expected.shape
+        assert (got - expected).abs().max().item() <= 1e-5, guidance
+    # guards the comparison: another guidance scale is visible at this tolerance
+    other = _as_pipeline_latents(adapter, variant, _rollout(adapter, variant.guidance + 2.0, seed=3).samples)
+    assert (other - expected).abs().max().item() > 1e-3
+
+
+def test_prompts_encoded_one_by_one_give_the_batchs_samples(tiny):
+    # the prompt cache encodes one prompt at a time (padded to max_sequence_length): same samples
+    variant, _ = tiny
+    adapter = _adapter(tiny)
+    cached = PromptEmbeddingCache(adapter, size=8)(PROMPTS)
+    batched = _rollout(adapter, variant.guidance, seed=5).samples
+    assert (_rollout(adapter, variant.guidance, seed=5, cond=cached).samples - batched).abs().max().item() <= 1e-5
+
+
+def test_rescoring_a_sampled_step_gives_ratio_exactly_one(tiny):
+    variant, _ = tiny
+    adapter = _adapter(tiny)
+    adapter.add_lora(rank=4)
+    _perturb(adapter.model)
+    traj = _rollout(adapter, variant.guidance, seed=2, eta=1.0)
+    assert (traj.log_probs[:, :-1] != 0).all()
+    grads = rescored_gradients(adapter, traj, STEPS - 1, variant.guidance)
+    assert any(g is not None and g.abs().sum() > 0 for g in grads.values())
+
+
+def test_saved_lora_loads_in_plain_diffusers(tiny, tmp_path):
+    variant, _ = tiny
+    adapter = _adapter(tiny)
+    adapter.add_lora(rank=4, alpha=8)  # alpha ≠ rank: the saved metadata must carry the scale
+    _perturb(adapter.model)
+    adapter.save_trained(tmp_path / "lora")
+
+    pipe = _pipeline(tiny)
+    before = _pipeline_output(pipe, tiny, variant.guidance, seed=0)
+    pipe.load_lora_weights(tmp_path / "lora")  # the family's own LoRA loader mixin
+    after = _pipeline_output(pipe, tiny, variant.guidance, seed=0)
+    assert (after - before).abs().max().item() > 1e-3
+    ours = _as_pipeline_latents(adapter, variant, _rollout(adapter, variant.guidance, seed=0).samples)
+    assert (ours - after).abs().max().item() <= 1e-5
+    fused = _adapter(tiny, trained=tmp_path / "lora")  # as the trainer's evaluation loads it
+    fused_samples = _as_pipeline_latents(fused, variant, _rollout(fused, variant.guidance, seed=0).samples)
+    assert (fused_samples - after).abs().max().item() <= 1e-4
+
+
+def test_reference_is_the_base_model(tiny):
+    variant, _ = tiny
+    base, trained, reference = reference_predictions(_adapter(tiny), PROMPTS, STEPS, variant.guidance, _perturb)
+    assert (trained - base).abs().max() > 1e-3
+    assert torch.equal(reference, base)
+
+
+def test_decode_returns_the_pipelines_pt_output(tiny):
+    variant, _ = tiny
+    adapter = _adapter(tiny)
+    traj = _rollout(adapter, variant.guidance, seed=4)
+    expected = _pipeline_output(_pipeline(tiny), tiny, variant.guidance, seed=4, output_type="pt")
+    decoded = adapter.decode(traj.samples)
+    assert decoded.shape == expected.shape == (len(PROMPTS), 3, variant.sizes["height"], variant.sizes["width"])
+    assert (decoded - expected).abs().max().item() <= 1e-5
+    assert decoded.min() >= 0 and decoded.max() <= 1
+
+
+def test_sizes_the_pipeline_cannot_pack_are_refused(tiny):
+    variant, path = tiny
+    with pytest.raises(ValueError, match="multiples of 16"):
+        adapter_class(variant.family).from_pretrained(str(path), height=24, width=32)
