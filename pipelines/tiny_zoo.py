@@ -125,3 +125,66 @@ def build_tiny_qwen_image_pipeline(words: list[str], sizes: TinyQwenImageSizes =
     return QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER), vae=vae,
                              text_encoder=_tiny_qwen25_vl(tokenizer, sizes.text_hidden, sizes.text_layers),
                              tokenizer=tokenizer, transformer=transformer)
+
+
+def _tiny_qwen3(tokenizer, hidden: int, layers: int, causal_lm: bool):
+    """A Qwen3 language model (``Qwen3ForCausalLM`` for FLUX.2 klein, ``Qwen3Model`` for Z-Image)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
+
+    vocab = tokenizer.get_vocab()
+    config = Qwen3Config(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
+                         max_position_embeddings=1024, pad_token_id=vocab["<|endoftext|>"],
+                         eos_token_id=vocab["<|im_end|>"], bos_token_id=None, tie_word_embeddings=causal_lm)
+    return (Qwen3ForCausalLM if causal_lm else Qwen3Model)(config)
+
+
+@dataclass
+class TinyFlux2Sizes:
+    """Sizes of a small FLUX.2 klein pipeline. Defaults are test-sized (fast on one CPU core).
+
+    The transformer sees the VAE's 2×2-patchified latents (4× its ``latent_channels``); its text
+    input is three of Qwen3's hidden states concatenated (``text_out_layers``, klein: 9, 18, 27)."""
+
+    image_size: int = 16
+    vae_channels: tuple[int, ...] = (8, 16)  # len − 1 downsamplings by 2
+    latent_channels: int = 8
+    text_hidden: int = 16
+    text_layers: int = 3
+    text_out_layers: tuple[int, ...] = (1, 2, 3)
+    layers: int = 1  # double-stream blocks
+    single_layers: int = 1
+    heads: int = 2
+    head_dim: int = 16
+    rope_axes: tuple[int, ...] = (4, 4, 4, 4)  # (T, H, W, L) coordinates; sums to head_dim
+
+
+# FLUX.2 klein's scheduler_config.json (its σ shift is the pipeline's compute_empirical_mu)
+FLUX2_SCHEDULER = {"base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
+                   "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True}
+
+
+def build_tiny_flux2_klein_pipeline(words: list[str], sizes: TinyFlux2Sizes = TinyFlux2Sizes(), seed: int = 0,
+                                    is_distilled: bool = False):
+    """A randomly initialised ``Flux2KleinPipeline`` for captions made of ``words``: the base model's
+    layout (true CFG against ""), or with ``is_distilled`` the step-distilled one (no CFG)."""
+    from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Transformer2DModel
+
+    torch.manual_seed(seed)
+    tokenizer = build_qwen_tokenizer(words)
+    channels = sizes.vae_channels
+    vae = AutoencoderKLFlux2(latent_channels=sizes.latent_channels, block_out_channels=channels,
+                             down_block_types=("DownEncoderBlock2D",) * len(channels),
+                             up_block_types=("UpDecoderBlock2D",) * len(channels), layers_per_block=1,
+                             norm_num_groups=min(channels[0], 8), sample_size=sizes.image_size)
+    with torch.no_grad():  # the batch-norm statistics the pipeline normalises latents with: not the identity
+        vae.bn.running_mean.copy_(torch.linspace(-0.5, 0.5, vae.bn.num_features))
+        vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, vae.bn.num_features))
+    transformer = Flux2Transformer2DModel(
+        in_channels=4 * sizes.latent_channels, num_layers=sizes.layers, num_single_layers=sizes.single_layers,
+        attention_head_dim=sizes.head_dim, num_attention_heads=sizes.heads,
+        joint_attention_dim=len(sizes.text_out_layers) * sizes.text_hidden, timestep_guidance_channels=32,
+        axes_dims_rope=sizes.rope_axes, guidance_embeds=False)
+    return Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER), vae=vae,
+                              text_encoder=_tiny_qwen3(tokenizer, sizes.text_hidden, sizes.text_layers, True),
+                              tokenizer=tokenizer, transformer=transformer, is_distilled=is_distilled)

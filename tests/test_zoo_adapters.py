@@ -14,7 +14,7 @@ from flowalign.samplers.steps import plan_steps
 from flowalign.worlds.shapes import vocabulary
 from pipelines import adapter_class
 from pipelines.base import PromptEmbeddingCache
-from pipelines.tiny_zoo import build_tiny_qwen_image_pipeline
+from pipelines.tiny_zoo import build_tiny_flux2_klein_pipeline, build_tiny_qwen_image_pipeline
 
 PROMPTS = ["a photo of a red circle", "a photo of two squares", "a photo of a blue triangle"]
 STEPS = 4
@@ -25,24 +25,44 @@ TOKENS = 32  # text tokens kept per prompt, adapter and pipeline alike
 class Variant:
     """family; builder of its tiny pipeline; the adapter's sizes; the guidance scale the tests use;
     ``guided(g)``: the pipeline's keyword arguments for the adapter's guidance_scale g;
-    ``packed``: the pipeline's latent output is 2×2-packed tokens [B, N, 4C]."""
+    ``latents(adapter, x)``: the adapter's samples x in the layout of the pipeline's
+    ``output_type="latent"`` result; ``options``: adapter options the pipeline call takes too."""
 
     family: str
     build: Callable
     sizes: dict
     guidance: float
     guided: Callable[[float], dict]
-    packed: bool = True
-    adapter_kwargs: dict = field(default_factory=lambda: {"max_sequence_length": TOKENS})
+    latents: Callable
+    options: dict = field(default_factory=dict)
+
+    @property
+    def adapter_kwargs(self) -> dict:
+        return {"max_sequence_length": TOKENS, **self.options}
 
 
 def _qwen_cfg(g: float) -> dict:
     return {"true_cfg_scale": g, "negative_prompt": " "} if g > 1 else {"true_cfg_scale": 1.0}
 
 
+def _packed(adapter, x):
+    """FLUX-style 2×2-packed tokens [B, N, 4C] of unpacked latents x [B, C, h, w] (Qwen-Image)."""
+    return adapter.pipe._pack_latents(x, *x.shape)
+
+
+def _cfg(g: float) -> dict:
+    return {"guidance_scale": g}
+
+
 VARIANTS = {
     "qwen_image": Variant("qwen_image", lambda: build_tiny_qwen_image_pipeline(vocabulary()),
-                          {"height": 32, "width": 32}, 4.0, _qwen_cfg),
+                          {"height": 32, "width": 32}, 4.0, _qwen_cfg, _packed),
+    "flux2_klein": Variant("flux2", lambda: build_tiny_flux2_klein_pipeline(vocabulary()), {"height": 16, "width": 16},
+                           4.0, _cfg, lambda adapter, x: adapter.vae_latents(x),
+                           {"text_encoder_out_layers": [1, 2, 3]}),
+    "flux2_klein_distilled": Variant("flux2", lambda: build_tiny_flux2_klein_pipeline(vocabulary(), is_distilled=True),
+                                     {"height": 16, "width": 16}, 1.0, _cfg, lambda adapter, x: adapter.vae_latents(x),
+                                     {"text_encoder_out_layers": [1, 2, 3]}),
 }
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits (conftest)
@@ -81,13 +101,13 @@ def _pipeline(tiny):
 
 def _pipeline_output(pipe, tiny, guidance, seed, output_type="latent"):
     variant, _ = tiny
-    out = pipe(PROMPTS, num_inference_steps=STEPS, output_type=output_type, max_sequence_length=TOKENS,
-               generator=torch.Generator().manual_seed(seed), **variant.sizes, **variant.guided(guidance))
+    out = pipe(prompt=PROMPTS, num_inference_steps=STEPS, output_type=output_type, generator=torch.Generator().manual_seed(
+        seed), **variant.adapter_kwargs, **variant.sizes, **variant.guided(guidance))
     return out.images
 
 
 def _as_pipeline_latents(adapter, variant, x):
-    return adapter.pipe._pack_latents(x, *x.shape) if variant.packed else x
+    return variant.latents(adapter, x)
 
 
 def _rollout(adapter, guidance, seed, eta=0.0, cond=None):
@@ -113,9 +133,12 @@ def test_eta_zero_rollout_reproduces_the_pipeline(tiny):
         got = _as_pipeline_latents(adapter, variant, _rollout(adapter, guidance, seed=3).samples)
         assert got.shape == expected.shape
         assert (got - expected).abs().max().item() <= 1e-5, guidance
-    # guards the comparison: another guidance scale is visible at this tolerance
-    other = _as_pipeline_latents(adapter, variant, _rollout(adapter, variant.guidance + 2.0, seed=3).samples)
-    assert (other - expected).abs().max().item() > 1e-3
+    if variant.guidance == 1.0:  # a guidance-free (distilled) checkpoint: a guidance scale is refused, not ignored
+        with pytest.raises(ValueError, match="guidance"):
+            _rollout(adapter, 3.0, seed=3)
+    else:  # guards the comparison: another guidance scale is visible at this tolerance
+        other = _as_pipeline_latents(adapter, variant, _rollout(adapter, variant.guidance + 2.0, seed=3).samples)
+        assert (other - expected).abs().max().item() > 1e-3
 
 
 def test_prompts_encoded_one_by_one_give_the_batchs_samples(tiny):
@@ -177,5 +200,6 @@ def test_decode_returns_the_pipelines_pt_output(tiny):
 
 def test_sizes_the_pipeline_cannot_pack_are_refused(tiny):
     variant, path = tiny
-    with pytest.raises(ValueError, match="multiples of 16"):
-        adapter_class(variant.family).from_pretrained(str(path), height=24, width=32)
+    multiple = 2 * _adapter(tiny).pipe.vae_scale_factor  # 2×2 patches of latents
+    with pytest.raises(ValueError, match=f"multiples of {multiple}"):
+        adapter_class(variant.family).from_pretrained(str(path), height=multiple + multiple // 2, width=multiple)

@@ -43,7 +43,7 @@ def run_config(folders, out, name, *overrides):
     """One epoch of 2 groups × 2 samples, one minibatch (every statistic at the initial weights)."""
     variant = VARIANTS[name]
     sizes = [f"model.{k}={v}" for k, v in variant.sizes.items()]
-    kwargs = ", ".join(f"{k}: {v}" for k, v in variant.adapter_kwargs.items())
+    kwargs = ", ".join(f"{k}: {v}" for k, v in variant.adapter_kwargs.items())  # YAML flow mapping
     return load_config(None, [
         f"output_dir={out}", f"model.family={variant.family}", f"model.path={folders / name}", "model.lora_rank=4",
         *sizes, f"model.kwargs={{{kwargs}}}", f"sampling.guidance_scale={variant.guidance}", "tracker=none",
@@ -103,13 +103,13 @@ def test_trained_lora_is_saved_in_diffusers_format(folders, tmp_path, name):
     pipe = type(adapter.pipe).from_pretrained(folders / name)
     pipe.set_progress_bar_config(disable=True)
     pipe.load_lora_weights(tmp_path / "final")
-    expected = pipe(PROMPTS, num_inference_steps=STEPS, output_type="latent", generator=torch.Generator().manual_seed(7),
+    expected = pipe(prompt=PROMPTS, num_inference_steps=STEPS, output_type="latent", generator=torch.Generator().manual_seed(7),
                     **variant.adapter_kwargs, **variant.sizes, **variant.guided(guidance)).images
 
     def samples(noise):
         x = rollout(adapter, adapter.encode(PROMPTS), noise, adapter.schedule(STEPS), plan_steps(STEPS, 2, 0.0),
                     guidance_scale=guidance).samples
-        return adapter.pipe._pack_latents(x, *x.shape) if variant.packed else x
+        return variant.latents(adapter, x)
 
     noise = adapter.initial_noise(len(PROMPTS), torch.Generator().manual_seed(7))
     assert (samples(noise) - expected).abs().max().item() <= 1e-5
