@@ -18,7 +18,8 @@ HUB_IDS = {"sd35m_flow_grpo_geneval.yaml": "stabilityai/stable-diffusion-3.5-med
            "wan21_t2v_flow_grpo_temporal.yaml": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
            "sd15_ddpo_aesthetic.yaml": "stable-diffusion-v1-5/stable-diffusion-v1-5",
            "sd15_ddpo_compressibility.yaml": "stable-diffusion-v1-5/stable-diffusion-v1-5",
-           "qwen_image_flow_grpo_pickscore.yaml": "Qwen/Qwen-Image"}
+           "qwen_image_flow_grpo_pickscore.yaml": "Qwen/Qwen-Image",
+           "flux2_klein_flow_grpo_pickscore.yaml": "black-forest-labs/FLUX.2-klein-base-4B"}
 
 
 @pytest.fixture
