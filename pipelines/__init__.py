@@ -19,6 +19,7 @@ FAMILIES["ltx2"] = "pipelines.ltx2:LTX2Adapter"  # joint audio-video latents (pi
 FAMILIES["av_demo"] = "pipelines.av_demo:AVDemoAdapter"  # the built-in joint audio-video demo model
 FAMILIES["qwen_image"] = "pipelines.qwen_image:QwenImageAdapter"
 FAMILIES["flux2"] = "pipelines.flux2:Flux2KleinAdapter"  # FLUX.2 klein (base and step-distilled)
+FAMILIES["z_image"] = "pipelines.z_image:ZImageAdapter"  # Z-Image and Z-Image-Turbo
 
 # constructor arguments that have their own setting (model.height, ...) or that the loader sets
 LOADER_ARGUMENTS = ("self", "pipe", "device", "height", "width", "num_frames")

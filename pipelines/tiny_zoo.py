@@ -188,3 +188,43 @@ def build_tiny_flux2_klein_pipeline(words: list[str], sizes: TinyFlux2Sizes = Ti
     return Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER), vae=vae,
                               text_encoder=_tiny_qwen3(tokenizer, sizes.text_hidden, sizes.text_layers, True),
                               tokenizer=tokenizer, transformer=transformer, is_distilled=is_distilled)
+
+
+@dataclass
+class TinyZImageSizes:
+    """Sizes of a small Z-Image pipeline. Defaults are test-sized (fast on one CPU core)."""
+
+    image_size: int = 16
+    vae_channels: tuple[int, ...] = (8, 16)  # len − 1 downsamplings by 2
+    latent_channels: int = 16  # as Z-Image's (FLUX.1's) VAE
+    text_hidden: int = 16  # Qwen3; its second-to-last hidden states are the conditioning
+    text_layers: int = 2
+    dim: int = 32
+    layers: int = 1
+    refiner_layers: int = 1
+    heads: int = 2
+    rope_axes: tuple[int, int, int] = (4, 6, 6)  # sums to dim / heads
+
+
+# Z-Image-Turbo's scheduler_config.json: a fixed shift 3 (its pipeline's calculate_shift mu is then unused)
+Z_IMAGE_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
+
+
+def build_tiny_z_image_pipeline(words: list[str], sizes: TinyZImageSizes = TinyZImageSizes(), seed: int = 0):
+    """A randomly initialised ``ZImagePipeline`` (Z-Image and its distilled Turbo share the layout)
+    for captions made of ``words``."""
+    from diffusers import ZImagePipeline, ZImageTransformer2DModel
+
+    from pipelines.tiny import _vae
+
+    torch.manual_seed(seed)
+    tokenizer = build_qwen_tokenizer(words)
+    vae = _vae(sizes.vae_channels, sizes.latent_channels, sizes.image_size, use_quant_conv=False,
+               use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159)  # FLUX.1's VAE factors
+    transformer = ZImageTransformer2DModel(
+        in_channels=sizes.latent_channels, dim=sizes.dim, n_layers=sizes.layers, n_refiner_layers=sizes.refiner_layers,
+        n_heads=sizes.heads, n_kv_heads=sizes.heads, cap_feat_dim=sizes.text_hidden, axes_dims=list(sizes.rope_axes),
+        axes_lens=[256, 64, 64])
+    return ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**Z_IMAGE_SCHEDULER), vae=vae,
+                          text_encoder=_tiny_qwen3(tokenizer, sizes.text_hidden, sizes.text_layers, False),
+                          tokenizer=tokenizer, transformer=transformer)

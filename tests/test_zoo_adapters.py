@@ -14,7 +14,8 @@ from flowalign.samplers.steps import plan_steps
 from flowalign.worlds.shapes import vocabulary
 from pipelines import adapter_class
 from pipelines.base import PromptEmbeddingCache
-from pipelines.tiny_zoo import build_tiny_flux2_klein_pipeline, build_tiny_qwen_image_pipeline
+from pipelines.tiny_zoo import (build_tiny_flux2_klein_pipeline, build_tiny_qwen_image_pipeline,
+                                build_tiny_z_image_pipeline)
 
 PROMPTS = ["a photo of a red circle", "a photo of two squares", "a photo of a blue triangle"]
 STEPS = 4
@@ -63,6 +64,14 @@ VARIANTS = {
     "flux2_klein_distilled": Variant("flux2", lambda: build_tiny_flux2_klein_pipeline(vocabulary(), is_distilled=True),
                                      {"height": 16, "width": 16}, 1.0, _cfg, lambda adapter, x: adapter.vae_latents(x),
                                      {"text_encoder_out_layers": [1, 2, 3]}),
+    "z_image": Variant("z_image", lambda: build_tiny_z_image_pipeline(vocabulary()), {"height": 16, "width": 16}, 4.0,
+                       _cfg, lambda adapter, x: x),
+    # the pipeline's guidance options: the guided norm capped at |cond|, no guidance while 1 − σ > 0.6
+    "z_image_cfg_options": Variant("z_image", lambda: build_tiny_z_image_pipeline(vocabulary()),
+                                   {"height": 16, "width": 16}, 4.0, _cfg, lambda adapter, x: x,
+                                   {"cfg_normalization": 1.0, "cfg_truncation": 0.6}),
+    "z_image_turbo": Variant("z_image", lambda: build_tiny_z_image_pipeline(vocabulary()), {"height": 16, "width": 16},
+                             0.0, _cfg, lambda adapter, x: x),  # Turbo samples without CFG
 }
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits (conftest)
@@ -101,8 +110,9 @@ def _pipeline(tiny):
 
 def _pipeline_output(pipe, tiny, guidance, seed, output_type="latent"):
     variant, _ = tiny
-    out = pipe(prompt=PROMPTS, num_inference_steps=STEPS, output_type=output_type, generator=torch.Generator().manual_seed(
-        seed), **variant.adapter_kwargs, **variant.sizes, **variant.guided(guidance))
+    out = pipe(prompt=list(PROMPTS), num_inference_steps=STEPS, output_type=output_type,  # a copy: ZImagePipeline
+               generator=torch.Generator().manual_seed(seed),  # rewrites the prompt list it is given
+               **variant.adapter_kwargs, **variant.sizes, **variant.guided(guidance))
     return out.images
 
 
@@ -203,3 +213,21 @@ def test_sizes_the_pipeline_cannot_pack_are_refused(tiny):
     multiple = 2 * _adapter(tiny).pipe.vae_scale_factor  # 2×2 patches of latents
     with pytest.raises(ValueError, match=f"multiples of {multiple}"):
         adapter_class(variant.family).from_pretrained(str(path), height=multiple + multiple // 2, width=multiple)
+
+
+def test_z_image_turbo_few_step_schedule_is_the_pipelines(folders):
+    # Turbo's published sampling: 9 steps (the last at σ = 1/9 → 0), guidance_scale 0
+    tiny = VARIANTS["z_image_turbo"], folders("z_image_turbo")
+    adapter = _adapter(tiny)
+    pipe = _pipeline(tiny)
+    schedule = adapter.schedule(9)
+    pipe.scheduler.set_timesteps(sigmas=torch.linspace(1.0, 1 / 9, 9).tolist(), mu=0.0)  # the pipeline's call
+    assert torch.equal(schedule.timesteps, pipe.scheduler.timesteps)
+    assert torch.allclose(schedule.sigmas, pipe.scheduler.sigmas.float(), atol=1e-7) and schedule.sigmas[-1] == 0
+    generator = torch.Generator().manual_seed(1)
+    noise = adapter.initial_noise(len(PROMPTS), generator)
+    got = rollout(adapter, adapter.encode(PROMPTS), noise, schedule, plan_steps(9, len(PROMPTS), eta=0.0),
+                  guidance_scale=0.0).samples
+    expected = pipe(prompt=list(PROMPTS), num_inference_steps=9, guidance_scale=0.0, output_type="latent", height=16,
+                    width=16, max_sequence_length=TOKENS, generator=torch.Generator().manual_seed(1)).images
+    assert (got - expected).abs().max().item() <= 1e-5

@@ -103,8 +103,8 @@ def test_trained_lora_is_saved_in_diffusers_format(folders, tmp_path, name):
     pipe = type(adapter.pipe).from_pretrained(folders / name)
     pipe.set_progress_bar_config(disable=True)
     pipe.load_lora_weights(tmp_path / "final")
-    expected = pipe(prompt=PROMPTS, num_inference_steps=STEPS, output_type="latent", generator=torch.Generator().manual_seed(7),
-                    **variant.adapter_kwargs, **variant.sizes, **variant.guided(guidance)).images
+    expected = pipe(prompt=list(PROMPTS), num_inference_steps=STEPS, output_type="latent",
+                    generator=torch.Generator().manual_seed(7), **variant.adapter_kwargs, **variant.sizes, **variant.guided(guidance)).images
 
     def samples(noise):
         x = rollout(adapter, adapter.encode(PROMPTS), noise, adapter.schedule(STEPS), plan_steps(STEPS, 2, 0.0),
