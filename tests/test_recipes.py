@@ -19,7 +19,8 @@ HUB_IDS = {"sd35m_flow_grpo_geneval.yaml": "stabilityai/stable-diffusion-3.5-med
            "sd15_ddpo_aesthetic.yaml": "stable-diffusion-v1-5/stable-diffusion-v1-5",
            "sd15_ddpo_compressibility.yaml": "stable-diffusion-v1-5/stable-diffusion-v1-5",
            "qwen_image_flow_grpo_pickscore.yaml": "Qwen/Qwen-Image",
-           "flux2_klein_flow_grpo_pickscore.yaml": "black-forest-labs/FLUX.2-klein-base-4B"}
+           "flux2_klein_flow_grpo_pickscore.yaml": "black-forest-labs/FLUX.2-klein-base-4B",
+           "z_image_turbo_flow_grpo_fast_pickscore.yaml": "Tongyi-MAI/Z-Image-Turbo"}
 
 
 @pytest.fixture
