@@ -62,17 +62,24 @@ def mean_std_latents(x0: torch.Tensor, config) -> torch.Tensor:
     return x0 / inverse_std + mean
 
 
-def load_trained_weights(pipe, trained: str | Path, model_folder: str, dtype: torch.dtype) -> None:
+def load_trained_weights(pipe, trained: str | Path, model_folder: str, dtype: torch.dtype,
+                         extra_folders: tuple[str, ...] = ()) -> None:
     """Put a ``save_trained`` folder's weights into ``pipe`` as plain diffusers would: LoRA weights
     fused in, or the fully fine-tuned ``<model_folder>/`` replacing the denoiser. A pipeline without
-    diffusers' LoRA loader (the chess and av_demo ones) loads the LoRA into its model directly."""
+    diffusers' LoRA loader (the chess and av_demo ones) loads the LoRA into its model directly.
+    ``extra_folders``: further denoisers (Wan 2.2's ``transformer_2``), whose LoRA is in
+    ``<name>_lora/`` and loads with the pipeline's ``load_lora_weights(..., load_into_<name>=True)``."""
     trained = Path(trained)
     model = getattr(pipe, model_folder)
     if (trained / model_folder).is_dir():
-        pipe.register_modules(**{model_folder: type(model).from_pretrained(trained / model_folder, torch_dtype=dtype)})
+        for name in (model_folder, *extra_folders):
+            module = getattr(pipe, name)
+            pipe.register_modules(**{name: type(module).from_pretrained(trained / name, torch_dtype=dtype)})
     elif (trained / LORA_WEIGHTS_NAME).is_file() and hasattr(pipe, "load_lora_weights"):
         pipe.load_lora_weights(trained)
-        pipe.fuse_lora()
+        for name in extra_folders:
+            pipe.load_lora_weights(trained / f"{name}_lora", **{f"load_into_{name}": True})
+        pipe.fuse_lora(**({"components": [model_folder, *extra_folders]} if extra_folders else {}))
         pipe.unload_lora_weights()
     elif (trained / LORA_WEIGHTS_NAME).is_file():
         model.load_lora_adapter(trained, prefix=None, weight_name=LORA_WEIGHTS_NAME)
@@ -130,8 +137,18 @@ class DenoiserAdapter:
 
         pipe = load_with_hub_fallback(load, name_or_path)
         if trained is not None:
-            load_trained_weights(pipe, trained, cls.model_folder, dtype_)
+            load_trained_weights(pipe, trained, cls.model_folder, dtype_, cls.extra_folders(pipe))
         return cls(pipe, device=device, **kwargs)
+
+    @classmethod
+    def extra_folders(cls, pipe) -> tuple[str, ...]:
+        """The pipeline attributes of denoisers besides ``model_folder`` (Wan 2.2's ``transformer_2``)."""
+        return ()
+
+    def denoisers(self) -> dict[str, nn.Module]:
+        """Every denoiser by its pipeline attribute, ``model_folder``'s first: what LoRA, the reference
+        policy, gradient checkpointing and saving act on (one, unless ``extra_folders`` names more)."""
+        return {self.model_folder: self.model}
 
     # -- sampling ------------------------------------------------------------------------
     def default_size(self) -> tuple[int, int]:
@@ -232,11 +249,12 @@ class DenoiserAdapter:
     # -- training ------------------------------------------------------------------------
     def add_lora(self, rank: int, alpha: float | None = None, targets: tuple[str, ...] | list[str] | None = None,
                  init: str | bool = "gaussian") -> None:
-        """Attach a peft LoRA to the denoiser; only its weights train (kept in float32)."""
+        """Attach a peft LoRA to each denoiser; only its weights train (kept in float32)."""
         from peft import LoraConfig
 
-        self.model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha or rank, init_lora_weights=init,
-                                          target_modules=list(targets or self.lora_targets)))
+        for model in self.denoisers().values():
+            model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha or rank, init_lora_weights=init,
+                                         target_modules=list(targets or self.lora_targets)))
         for p in self.model.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
@@ -255,7 +273,9 @@ class DenoiserAdapter:
     def reference(self):
         """Inside this context ``predict`` is the reference policy (LoRA off, or the frozen copy)."""
         if self.lora:
-            with disabled_lora(self.model):
+            with contextlib.ExitStack() as stack:
+                for model in self.denoisers().values():
+                    stack.enter_context(disabled_lora(model))
                 yield
         elif self._frozen_reference is not None:
             current, self.denoiser = self.denoiser, self._frozen_reference
@@ -267,45 +287,61 @@ class DenoiserAdapter:
             raise RuntimeError("no reference policy: full fine-tuning was set up without keep_reference")
 
     def trained_state_dict(self) -> dict[str, torch.Tensor]:
-        """The trained weights: the LoRA layers in peft/diffusers naming, or the whole denoiser."""
+        """The trained weights: the LoRA layers in peft/diffusers naming, or the whole denoiser; with
+        several denoisers each one's keys are prefixed with its name and a dot."""
+        parts = {name: self._trained_state_dict(model) for name, model in self.denoisers().items()}
+        if len(parts) == 1:
+            return next(iter(parts.values()))
+        return {f"{name}.{k}": v for name, part in parts.items() for k, v in part.items()}
+
+    def _trained_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         if self.lora:
             from peft import get_peft_model_state_dict
 
-            return get_peft_model_state_dict(self.model)
-        return self.model.state_dict()
+            return get_peft_model_state_dict(model)
+        return model.state_dict()
 
     def load_trained_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if self.lora:
-            from peft import set_peft_model_state_dict
+        denoisers = self.denoisers()
+        for name, model in denoisers.items():
+            part = state if len(denoisers) == 1 else {k[len(name) + 1:]: v for k, v in state.items()
+                                                       if k.startswith(f"{name}.")}
+            if self.lora:
+                from peft import set_peft_model_state_dict
 
-            result = set_peft_model_state_dict(self.model, state)
-            if getattr(result, "unexpected_keys", None):
-                raise KeyError(f"unexpected LoRA keys: {result.unexpected_keys[:5]}")
-        else:
-            self.model.load_state_dict(state)
+                result = set_peft_model_state_dict(model, part)
+                if getattr(result, "unexpected_keys", None):
+                    raise KeyError(f"unexpected LoRA keys: {result.unexpected_keys[:5]}")
+            else:
+                model.load_state_dict(part)
 
     def save_trained(self, directory: str | Path) -> None:
         """LoRA → ``pytorch_lora_weights.safetensors`` with its peft config (rank, alpha, targets) as
         metadata, so ``pipe.load_lora_weights(directory)`` loads it at the trained scale; full
         fine-tuning → a diffusers ``<model_folder>/`` folder. A pipeline without diffusers' LoRA
-        loader saves with its model's ``save_lora_adapter`` (same file, same metadata)."""
+        loader saves with its model's ``save_lora_adapter`` (same file, same metadata). A further
+        denoiser (``extra_folders``) goes to ``<name>_lora/`` (LoRA, in the first one's format, for
+        ``load_lora_weights(..., load_into_<name>=True)``) or ``<name>/``."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        if self.lora and not hasattr(self.pipeline_class, "save_lora_weights"):
-            self.model.save_lora_adapter(directory, safe_serialization=True)
-        elif self.lora:
-            name = self.model_folder
-            self.pipeline_class.save_lora_weights(
-                directory, safe_serialization=True, **{f"{name}_lora_layers": self.trained_state_dict(),
-                                                       f"{name}_lora_adapter_metadata": self.lora_metadata()})
-        else:
-            self.model.save_pretrained(directory / self.model_folder, safe_serialization=True)
+        for i, (name, model) in enumerate(self.denoisers().items()):
+            if self.lora and not hasattr(self.pipeline_class, "save_lora_weights"):
+                model.save_lora_adapter(directory, safe_serialization=True)
+            elif self.lora:
+                first = self.model_folder
+                self.pipeline_class.save_lora_weights(
+                    directory if i == 0 else directory / f"{name}_lora", safe_serialization=True,
+                    **{f"{first}_lora_layers": self._trained_state_dict(model),
+                       f"{first}_lora_adapter_metadata": model.peft_config["default"].to_dict()})
+            else:
+                model.save_pretrained(directory / name, safe_serialization=True)
 
     def lora_metadata(self) -> dict:
-        return self.model.peft_config["default"].to_dict()
+        return next(iter(self.denoisers().values())).peft_config["default"].to_dict()
 
     def enable_gradient_checkpointing(self) -> None:
-        self.model.enable_gradient_checkpointing()
+        for model in self.denoisers().values():
+            model.enable_gradient_checkpointing()
 
     def enable_xformers(self) -> None:
         self.pipe.enable_xformers_memory_efficient_attention()

@@ -228,3 +228,50 @@ def build_tiny_z_image_pipeline(words: list[str], sizes: TinyZImageSizes = TinyZ
     return ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**Z_IMAGE_SCHEDULER), vae=vae,
                           text_encoder=_tiny_qwen3(tokenizer, sizes.text_hidden, sizes.text_layers, False),
                           tokenizer=tokenizer, transformer=transformer)
+
+
+# Wan 2.2's published settings (the Wan-AI/Wan2.2-*-Diffusers model_index.json and scheduler configs)
+WAN22_A14B_BOUNDARY = 0.875  # T2V-A14B: transformer (high noise) for t ≥ 875, transformer_2 below
+WAN22_A14B_FLOW_SHIFT = 12.0  # T2V-A14B's sample shift
+WAN22_TI2V_FLOW_SHIFT = 5.0  # TI2V-5B's
+
+
+def build_tiny_wan22_pipeline(words: list[str], layout: str = "a14b", seed: int = 0):
+    """A randomly initialised Wan 2.2 ``WanPipeline`` for captions made of ``words``: ``layout``
+    "a14b" (two experts of Wan 2.1's tiny transformer, ``boundary_ratio`` 0.875, Wan 2.1's VAE) or
+    "ti2v" (one transformer with per-token timesteps, ``expand_timesteps``, and the Wan 2.2 VAE: residual
+    blocks, 2×2 patchified input, 16× spatial compression)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from pipelines.tiny import TinyWanSizes, _t5_config, build_t5_tokenizer
+
+    if layout not in ("a14b", "ti2v"):
+        raise ValueError(f"layout must be 'a14b' or 'ti2v', got {layout!r}")
+    sizes = TinyWanSizes()
+    torch.manual_seed(seed)
+    tokenizer = build_t5_tokenizer(words)
+    channels = sizes.latent_channels if layout == "a14b" else 8
+
+    def transformer():
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=sizes.heads, attention_head_dim=sizes.head_dim,
+            in_channels=channels, out_channels=channels, text_dim=sizes.text_hidden, freq_dim=32, ffn_dim=sizes.ffn_dim,
+            num_layers=sizes.layers, rope_max_seq_len=32)
+
+    if layout == "a14b":
+        vae = AutoencoderKLWan(base_dim=sizes.vae_dim, z_dim=channels, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                               temperal_downsample=[False, True, True])
+    else:
+        vae = AutoencoderKLWan(base_dim=8, z_dim=channels, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                               temperal_downsample=[False, True, True], is_residual=True, patch_size=2, in_channels=12, out_channels=12,
+                               scale_factor_spatial=16, latents_mean=[0.1 * i for i in range(channels)],
+                               latents_std=[1.0 + 0.1 * i for i in range(channels)])
+    shift = WAN22_A14B_FLOW_SHIFT if layout == "a14b" else WAN22_TI2V_FLOW_SHIFT
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift,
+                                        num_train_timesteps=1000)
+    text_encoder = UMT5EncoderModel(UMT5Config(**_t5_config(tokenizer, sizes.text_hidden, sizes.text_layers)))
+    extra = ({"transformer_2": transformer(), "boundary_ratio": WAN22_A14B_BOUNDARY} if layout == "a14b"
+             else {"expand_timesteps": True})
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                       transformer=transformer(), **extra)
