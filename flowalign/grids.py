@@ -231,6 +231,19 @@ def as_image_cells(samples, frames: int = 4) -> torch.Tensor:
                      "videos [B, T, 3, H, W] or waveforms [B, N]")
 
 
+def with_inputs(cells: torch.Tensor, inputs: list[str], per_row: int) -> torch.Tensor:
+    """Image cells [R·per_row, 3, H, W] (row-major) → [R·(per_row + 1), 3, H, W] with each row's
+    conditioning image (a path; image-conditioned tasks) first, resized to the cells' size."""
+    from pipelines.base import load_condition_image
+
+    h, w = cells.shape[-2:]
+    rows = []
+    for r, path in enumerate(inputs):
+        image = torch.from_numpy(np.asarray(load_condition_image(path, h, w))).permute(2, 0, 1).float() / 255
+        rows += [image[None], cells[r * per_row:(r + 1) * per_row]]
+    return torch.cat(rows)
+
+
 def side_by_side(panels: dict[str, Image.Image], header: int = 16) -> Image.Image:
     """Panels of equal height next to each other, each titled with its key."""
     width = sum(p.width for p in panels.values()) + 8 * (len(panels) - 1)

@@ -1,8 +1,12 @@
 """Prompt sources: the built-in shapes world or a prompt file. A prompt is a dict with at least
-``"prompt"``; GenEval-style records also carry ``"tag"`` and ``"include"`` for verifiers."""
+``"prompt"``; GenEval-style records also carry ``"tag"`` and ``"include"`` for verifiers; an
+image-conditioned task's records carry ``"image"``, the conditioning image's path (relative paths
+are resolved against the prompt file's folder), which the adapter encodes with the prompt and the
+rewards receive in their metadata."""
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -11,8 +15,9 @@ def load_prompts(source: str) -> list[dict]:
     """``"shapes:train"`` / ``"shapes:test"`` / ``"shapes:all"``, ``"chess:train"`` /
     ``"chess:test"`` (theme requests, ``flowalign.chess.requests``; ``chess:<split>:<model folder>``
     for another model's split), ``"av:train"`` / ``"av:test"`` / ``"av:all"`` (the audio-video
-    world, ``flowalign.worlds.audio_video``), a ``.txt`` file (one prompt per line) or a ``.jsonl`` file (one
-    record per line with a "prompt" key)."""
+    world, ``flowalign.worlds.audio_video``), a ``.txt`` file (one prompt per line), a ``.jsonl`` file (one
+    record per line with a "prompt" key) or a ``.csv`` file (a header row naming a "prompt" column;
+    every column becomes a key of the record)."""
     if source.startswith("shapes:"):
         from flowalign.worlds.shapes import prompt_split
 
@@ -29,12 +34,26 @@ def load_prompts(source: str) -> list[dict]:
     path = Path(source).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: tried {path.resolve()} (or use shapes:train / shapes:test / chess:train / chess:test / av:train / av:test)")
-    if path.suffix == ".jsonl":
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if path.suffix in (".jsonl", ".csv"):
+        if path.suffix == ".jsonl":
+            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        else:
+            with path.open(newline="") as f:
+                records = list(csv.DictReader(f))
         bad = [i + 1 for i, r in enumerate(records) if not isinstance(r, dict) or "prompt" not in r]
         if bad:
-            raise ValueError(f"{path}: line {bad[0]} has no \"prompt\" key")
-        return records
+            raise ValueError(f"{path}: record {bad[0]} has no \"prompt\" key")
+        return [_resolve_image(r, path) for r in records]
     if path.suffix == ".txt":
         return [{"prompt": line.strip()} for line in path.read_text().splitlines() if line.strip()]
-    raise ValueError(f"{path}: prompt files must be .txt or .jsonl")
+    raise ValueError(f"{path}: prompt files must be .txt, .jsonl or .csv")
+
+
+def _resolve_image(record: dict, prompt_file: Path) -> dict:
+    """A record's "image" as an absolute path (relative to the prompt file's folder); it must exist."""
+    if not record.get("image"):
+        return record
+    image = (prompt_file.parent / Path(record["image"]).expanduser()).resolve()
+    if not image.is_file():
+        raise FileNotFoundError(f"{prompt_file}: conditioning image of {record['prompt']!r} not found: tried {image}")
+    return {**record, "image": str(image)}

@@ -190,11 +190,13 @@ class DenoiserAdapter:
 
     def guidance_inputs(self, x: torch.Tensor, cond: Conditioning, guidance_scale: float):
         """(x, conditioning tensors) for the denoiser: with CFG (guidance_scale > 1) both doubled to
-        [2B, ...] as [unconditional, conditional], the pipelines' order."""
+        [2B, ...] as [unconditional, conditional], the pipelines' order; a conditioning image's tensors
+        (absent from ``negative()``) are the same in both halves."""
         if guidance_scale <= 1.0:
             return x, cond.tensors
-        negative = self.negative().tensors
-        tensors = {k: torch.cat([negative[k].expand(len(v), *v.shape[1:]), v]) for k, v in cond.tensors.items()}
+        negative = self.negative().tensors  # a tensor it lacks (a conditioning image) is shared by both halves
+        tensors = {k: torch.cat([negative[k].expand(len(v), *v.shape[1:]) if k in negative else v, v])
+                   for k, v in cond.tensors.items()}
         return torch.cat([x, x]), tensors
 
     def batch_timesteps(self, t, batch: int) -> torch.Tensor:

@@ -1,0 +1,215 @@
+"""Image-conditioned generation (FLUX.1-Kontext) end to end: prompt records carrying a
+conditioning image (jsonl and CSV) → the adapter's conditioning → rollouts equal to the diffusers
+pipeline given the same image → training with every flow objective → rewards receiving the image in
+their metadata (the edit-fidelity reward on tiny random CLIP weights in the real layout) → the
+evaluation grid showing each input beside its outputs; the LoRA loads in plain diffusers."""
+
+import json
+import math
+import random
+
+import pytest
+import torch
+from adapter_checks import reference_predictions, rescored_gradients
+from diffusers import FluxKontextPipeline
+from PIL import Image
+from test_neural_rewards import clip_dir, load_clip  # noqa: F401 (the tiny CLIP folder fixture)
+
+from flowalign.config import load_config
+from flowalign.prompts import load_prompts
+from flowalign.rollout import rollout
+from flowalign.samplers.steps import plan_steps
+from flowalign.trainer import Trainer
+from flowalign.worlds.shapes import prompt_split, render_scene, vocabulary
+from pipelines import adapter_class
+from pipelines.base import PromptEmbeddingCache, encode_records
+from pipelines.tiny import build_tiny_flux_pipeline
+from reward_models.base import Reward, build_reward, register_reward
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits (conftest)
+
+SIZE, STEPS, TOKENS, GUIDANCE = 16, 3, 16, 2.5
+EDITS = ["make the red circle blue", "move the square to the left"]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny FluxKontextPipeline folder and a prompt set: two shapes scenes (PNG) with an edit each."""
+    root = tmp_path_factory.mktemp("kontext")
+    words = vocabulary() + sorted({w for edit in EDITS for w in edit.split()})
+    FluxKontextPipeline(**build_tiny_flux_pipeline(words).components).save_pretrained(root / "model")
+    (root / "inputs").mkdir()
+    for i, spec in enumerate(prompt_split("train")[:2]):
+        render_scene(spec, random.Random(i), size=SIZE).save(root / "inputs" / f"scene{i}.png")
+    (root / "edits.jsonl").write_text("".join(json.dumps({"prompt": p, "image": f"inputs/scene{i}.png"}) + "\n"
+                                              for i, p in enumerate(EDITS)))
+    return root
+
+
+def _adapter(world, **kwargs):
+    return adapter_class("flux_kontext").from_pretrained(str(world / "model"), height=SIZE, width=SIZE,
+                                                         max_sequence_length=TOKENS, **kwargs)
+
+
+def _records(world):
+    return load_prompts(str(world / "edits.jsonl"))
+
+
+def _pipeline_latents(world, records, seed, pipe=None, with_image=True):
+    pipe = pipe or FluxKontextPipeline.from_pretrained(world / "model")
+    pipe.set_progress_bar_config(disable=True)
+    images = [Image.open(r["image"]).convert("RGB") for r in records] if with_image else None
+    return pipe(image=images, prompt=[r["prompt"] for r in records], height=SIZE, width=SIZE, max_area=SIZE * SIZE,
+                _auto_resize=False, num_inference_steps=STEPS, guidance_scale=GUIDANCE, output_type="latent",
+                max_sequence_length=TOKENS, generator=torch.Generator().manual_seed(seed)).images
+
+
+def _samples(adapter, records, seed, eta=0.0):
+    generator = torch.Generator().manual_seed(seed)
+    noise = adapter.initial_noise(len(records), generator)
+    traj = rollout(adapter, encode_records(adapter.encode, records), noise, adapter.schedule(STEPS),
+                   plan_steps(STEPS, len(records), eta), guidance_scale=GUIDANCE, generator=generator)
+    return traj, adapter.pipe._pack_latents(traj.samples, *traj.samples.shape)
+
+
+def _perturb(model, std=0.3):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn_like(p) * std)
+
+
+def test_prompt_records_carry_resolved_conditioning_images(world, tmp_path):
+    records = _records(world)
+    assert [r["image"] for r in records] == [str(world / "inputs" / f"scene{i}.png") for i in range(2)]
+    (tmp_path / "edits.csv").write_text("prompt,image,tag\n" + "".join(
+        f"{p},{world / 'inputs' / f'scene{i}.png'},edit\n" for i, p in enumerate(EDITS)))
+    assert load_prompts(str(tmp_path / "edits.csv")) == [{**r, "tag": "edit"} for r in records]
+    (tmp_path / "missing.jsonl").write_text(json.dumps({"prompt": "x", "image": "nowhere.png"}) + "\n")
+    with pytest.raises(FileNotFoundError, match="nowhere.png"):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+
+
+def test_eta_zero_rollout_reproduces_the_pipeline_with_the_same_image(world):
+    adapter = _adapter(world)
+    records = _records(world)
+    expected = _pipeline_latents(world, records, seed=3)
+    traj, got = _samples(adapter, records, seed=3)
+    assert (got - expected).abs().max().item() <= 1e-5
+    # guards: the conditioning image matters at this tolerance, and the cache gives the same conditioning
+    plain = _pipeline_latents(world, records, seed=3, with_image=False)
+    assert (got - plain).abs().max().item() > 1e-3
+    cached = encode_records(PromptEmbeddingCache(adapter, size=4), records)
+    assert all((cached.tensors[k] - traj.cond.tensors[k]).abs().max() <= 1e-5 for k in traj.cond.tensors)
+
+
+def test_text_only_families_refuse_conditioning_images(world, tiny_adapter):
+    with pytest.raises(ValueError, match="takes none"):
+        encode_records(tiny_adapter.encode, _records(world))
+
+
+def test_rescoring_reference_and_lora_round_trip(world, tmp_path):
+    adapter = _adapter(world)
+    records = _records(world)
+    base, trained, reference = reference_predictions(adapter, EDITS, STEPS, GUIDANCE, _perturb)
+    assert (trained - base).abs().max() > 1e-3 and torch.equal(reference, base)
+    traj, _ = _samples(adapter, records, seed=2, eta=1.0)
+    assert any(g is not None and g.abs().sum() > 0 for g in rescored_gradients(adapter, traj, STEPS - 1,
+                                                                               GUIDANCE).values())
+    adapter.save_trained(tmp_path / "lora")
+    pipe = FluxKontextPipeline.from_pretrained(world / "model")
+    pipe.load_lora_weights(tmp_path / "lora")  # FluxKontextPipeline's own LoRA loader (FluxLoraLoaderMixin)
+    expected = _pipeline_latents(world, records, seed=0, pipe=pipe)
+    assert (_samples(adapter, records, seed=0)[1] - expected).abs().max().item() <= 1e-5
+
+
+SEEN = []
+
+
+@register_reward("test_sees_the_input")
+class _SeesTheInput(Reward):
+    """Records the metadata it gets; scores the output's mean distance to its input image."""
+
+    components = ("closeness",)
+    modality = "image"
+
+    def __call__(self, samples, prompts, metadata):
+        SEEN.append([m.get("image") for m in metadata])
+        inputs = torch.stack([torch.from_numpy(__import__("numpy").asarray(Image.open(m["image"]).convert("RGB")))
+                              for m in metadata]).permute(0, 3, 1, 2).float() / 255
+        return {"closeness": -(samples - inputs).abs().mean(dim=(1, 2, 3))}
+
+
+METHODS = {
+    "flow_grpo": ["method=flow_grpo", "sampling.sde=flow_grpo", "train.kl_beta=0.1"],
+    "cps": ["method=flow_grpo", "sampling.sde=cps", "train.kl_beta=0.1"],
+    "dance_grpo": ["method=dance_grpo", "sampling.sde=dance_grpo"],
+    "diffusion_nft": ["method=diffusion_nft", "train.kl_beta=0.1"],
+}
+
+
+def _config(world, out, *overrides):
+    prompts = world / "edits.jsonl"
+    return load_config(None, [
+        f"output_dir={out}", "model.family=flux_kontext", f"model.path={world / 'model'}", "model.lora_rank=4",
+        f"model.height={SIZE}", f"model.width={SIZE}", f"model.kwargs={{max_sequence_length: {TOKENS}}}",
+        f"sampling.guidance_scale={GUIDANCE}", "tracker=none", f"sampling.num_steps={STEPS}", "train.epochs=1",
+        "train.groups_per_epoch=2", "train.group_size=2", "train.sample_batch_size=4", "train.train_batch_size=4",
+        "train.noise_draws=2", "train.learning_rate=1e-2", f"data.train_prompts={prompts}",
+        f"data.eval_prompts={prompts}", "eval.seeds=2", "eval.grid_prompts=2", "eval.grid_seeds=2",
+        "checkpoint_every=0", "reward.name=test_sees_the_input", "reward.weights={closeness: 1.0}", *overrides])
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_each_objective_trains_with_the_input_in_the_rewards_metadata(world, tmp_path, method):
+    SEEN.clear()
+    trainer = Trainer(_config(world, tmp_path, *METHODS[method], "eval.every=0"))
+    initial = [p.detach().clone() for p in trainer.params]
+    trainer.train()
+    stats = trainer.history[0]
+    assert math.isfinite(stats["train/policy_loss"]) and stats["train/grad_norm"] > 0 and stats["train/kl"] == 0.0
+    if method != "diffusion_nft":
+        assert stats["train/ratio"] == pytest.approx(1.0, abs=1e-6)
+    assert any((p.detach() - p0).abs().max() > 0 for p, p0 in zip(trainer.params, initial))
+    inputs = {r["image"] for r in _records(world)}
+    assert SEEN and all(image in inputs for batch in SEEN for image in batch)
+
+
+def test_the_eval_grid_shows_each_input_beside_its_outputs(world, tmp_path):
+    trainer = Trainer(_config(world, tmp_path, *METHODS["flow_grpo"], "eval.every=1", "train.epochs=1"))
+    trainer.train()
+    grid = Image.open(tmp_path / "grids" / "before.png")
+    cell = 96 + 2  # to_pil_grid's minimum cell (96 px) and its padding
+    assert grid.width >= 3 * cell - 2 and grid.height >= 2 * cell - 2  # the input column, then 2 seeds; 2 rows
+    first = torch.from_numpy(__import__("numpy").asarray(grid.convert("RGB"))).float()
+    scene = Image.open(_records(world)[0]["image"]).convert("RGB").resize((96, 96), Image.NEAREST)
+    corner = first[2:2 + 96, 2:2 + 96] if first.shape[0] > 96 else first[:96, :96]
+    assert (corner.mean() - torch.from_numpy(__import__("numpy").asarray(scene)).float().mean()).abs() < 20
+
+
+def test_edit_fidelity_blends_input_similarity_and_text_alignment(world, clip_dir):  # noqa: F811
+    model, processor = load_clip(clip_dir)
+    records = _records(world)
+    samples = torch.rand(2, 3, SIZE, SIZE)
+    reward = build_reward("edit_fidelity", model=str(clip_dir), input_weight=0.25, device="cpu")
+    out = reward(samples, EDITS, records)
+
+    def unit(x):
+        x = x.pooler_output if hasattr(x, "pooler_output") else x
+        return x / x.norm(dim=-1, keepdim=True)
+
+    with torch.no_grad():
+        to8 = (samples * 255).round().to(torch.uint8)
+        o = unit(model.get_image_features(pixel_values=processor(images=to8, return_tensors="pt")["pixel_values"]))
+        i = unit(model.get_image_features(pixel_values=processor(
+            images=[Image.open(r["image"]).convert("RGB") for r in records], return_tensors="pt")["pixel_values"]))
+        text = processor(text=EDITS, padding=True, return_tensors="pt")
+        p = unit(model.get_text_features(input_ids=text["input_ids"], attention_mask=text["attention_mask"]))
+    torch.testing.assert_close(out["input_similarity"], (o * i).sum(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["text_alignment"], (o * p).sum(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["edit_fidelity"], 0.25 * (o * i).sum(-1) + 0.75 * (o * p).sum(-1),
+                               rtol=1e-5, atol=1e-5)
+    same = reward(torch.stack([torch.from_numpy(__import__("numpy").asarray(Image.open(r["image"]).convert("RGB")))
+                               .permute(2, 0, 1).float() / 255 for r in records]), EDITS, records)
+    assert (same["input_similarity"] > 0.999).all()  # the input itself is perfectly similar
+    assert torch.isnan(reward(samples, EDITS, [{}, records[1]])["edit_fidelity"][0])  # no input: dropped
