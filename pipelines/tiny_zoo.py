@@ -275,3 +275,46 @@ def build_tiny_wan22_pipeline(words: list[str], layout: str = "a14b", seed: int 
              else {"expand_timesteps": True})
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
                        transformer=transformer(), **extra)
+
+
+def build_tiny_wan_i2v_pipeline(words: list[str], layout: str = "wan21", seed: int = 0):
+    """A randomly initialised ``WanImageToVideoPipeline`` for captions made of ``words``: ``layout``
+    "wan21" (Wan 2.1 I2V: a CLIP vision encoder whose features the transformer cross-attends) or
+    "a14b" (Wan 2.2 I2V-A14B: two experts switched at boundary_ratio 0.9, no image encoder). The
+    transformers take the latents, the first-frame mask and the image latents: 2C + 4 channels."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config,
+                              UMT5EncoderModel)
+
+    from pipelines.tiny import TinyWanSizes, _t5_config, build_t5_tokenizer
+
+    if layout not in ("wan21", "a14b"):
+        raise ValueError(f"layout must be 'wan21' or 'a14b', got {layout!r}")
+    sizes = TinyWanSizes()
+    torch.manual_seed(seed)
+    tokenizer = build_t5_tokenizer(words)
+    c = sizes.latent_channels
+    image_dim = 16 if layout == "wan21" else None
+
+    def transformer():
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=sizes.heads, attention_head_dim=sizes.head_dim,
+            in_channels=2 * c + 4, out_channels=c, text_dim=sizes.text_hidden, freq_dim=32, ffn_dim=sizes.ffn_dim,
+            num_layers=sizes.layers, rope_max_seq_len=32, image_dim=image_dim,
+            added_kv_proj_dim=sizes.heads * sizes.head_dim if image_dim else None)
+
+    vae = AutoencoderKLWan(base_dim=sizes.vae_dim, z_dim=c, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True])
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        flow_shift=sizes.flow_shift if layout == "wan21" else 5.0,
+                                        num_train_timesteps=1000)
+    text_encoder = UMT5EncoderModel(UMT5Config(**_t5_config(tokenizer, sizes.text_hidden, sizes.text_layers)))
+    if layout == "wan21":
+        encoder = CLIPVisionModel(CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                                   num_attention_heads=2, image_size=24, patch_size=8))
+        processor = CLIPImageProcessor(size={"shortest_edge": 24}, crop_size={"height": 24, "width": 24})
+        extra = {"image_encoder": encoder, "image_processor": processor}
+    else:  # Wan 2.2 I2V-A14B's model_index.json: boundary_ratio 0.9
+        extra = {"transformer_2": transformer(), "boundary_ratio": 0.9}
+    return WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                                   transformer=transformer(), **extra)

@@ -165,7 +165,7 @@ class WanAdapter(DenoiserAdapter):
         n = len(x)
         x, tensors = self.guidance_inputs(x, cond, guidance_scale)
         t = self.batch_timesteps(t, x.shape[0])
-        inputs = {"hidden_states": x.to(dtype), "encoder_hidden_states": tensors["embeds"].to(dtype)}
+        inputs = self.model_inputs(x.to(dtype), {k: v.to(dtype) for k, v in tensors.items()})
         if self.boundary is None:
             v = model(timestep=self.token_timesteps(t, x), return_dict=False, **inputs)[0]
             return self.guide(v, guidance_scale)
@@ -183,6 +183,10 @@ class WanAdapter(DenoiserAdapter):
         scale = torch.where(high[n:], guidance_scale, low_scale).view(-1, 1, 1, 1, 1).to(v)
         uncond, text = v.chunk(2)
         return uncond + scale * (text - uncond)
+
+    def model_inputs(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The transformer's tensor inputs for latents x [B, C, F, h, w] (every one batch-first)."""
+        return {"hidden_states": x, "encoder_hidden_states": tensors["embeds"]}
 
     def token_timesteps(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """t [B] as the transformer takes it: per latent token [B, F·(h/p)·(w/p)] for Wan 2.2 TI2V

@@ -8,6 +8,7 @@ import json
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 from adapter_checks import reference_predictions, rescored_gradients
@@ -135,7 +136,7 @@ class _SeesTheInput(Reward):
 
     def __call__(self, samples, prompts, metadata):
         SEEN.append([m.get("image") for m in metadata])
-        inputs = torch.stack([torch.from_numpy(__import__("numpy").asarray(Image.open(m["image"]).convert("RGB")))
+        inputs = torch.stack([torch.from_numpy(np.array(Image.open(m["image"]).convert("RGB")))
                               for m in metadata]).permute(0, 3, 1, 2).float() / 255
         return {"closeness": -(samples - inputs).abs().mean(dim=(1, 2, 3))}
 
@@ -181,10 +182,10 @@ def test_the_eval_grid_shows_each_input_beside_its_outputs(world, tmp_path):
     grid = Image.open(tmp_path / "grids" / "before.png")
     cell = 96 + 2  # to_pil_grid's minimum cell (96 px) and its padding
     assert grid.width >= 3 * cell - 2 and grid.height >= 2 * cell - 2  # the input column, then 2 seeds; 2 rows
-    first = torch.from_numpy(__import__("numpy").asarray(grid.convert("RGB"))).float()
+    first = torch.from_numpy(np.array(grid.convert("RGB"))).float()
     scene = Image.open(_records(world)[0]["image"]).convert("RGB").resize((96, 96), Image.NEAREST)
     corner = first[2:2 + 96, 2:2 + 96] if first.shape[0] > 96 else first[:96, :96]
-    assert (corner.mean() - torch.from_numpy(__import__("numpy").asarray(scene)).float().mean()).abs() < 20
+    assert (corner.mean() - torch.from_numpy(np.array(scene)).float().mean()).abs() < 20
 
 
 def test_edit_fidelity_blends_input_similarity_and_text_alignment(world, clip_dir):  # noqa: F811
@@ -209,7 +210,94 @@ def test_edit_fidelity_blends_input_similarity_and_text_alignment(world, clip_di
     torch.testing.assert_close(out["text_alignment"], (o * p).sum(-1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out["edit_fidelity"], 0.25 * (o * i).sum(-1) + 0.75 * (o * p).sum(-1),
                                rtol=1e-5, atol=1e-5)
-    same = reward(torch.stack([torch.from_numpy(__import__("numpy").asarray(Image.open(r["image"]).convert("RGB")))
+    same = reward(torch.stack([torch.from_numpy(np.array(Image.open(r["image"]).convert("RGB")))
                                .permute(2, 0, 1).float() / 255 for r in records]), EDITS, records)
     assert (same["input_similarity"] > 0.999).all()  # the input itself is perfectly similar
     assert torch.isnan(reward(samples, EDITS, [{}, records[1]])["edit_fidelity"][0])  # no input: dropped
+
+
+# --------------------------------------------------------------------------- Wan image-to-video
+
+VIDEO = {"height": 32, "width": 32, "num_frames": 5}
+
+
+@pytest.fixture(scope="module")
+def wan_world(tmp_path_factory):
+    """Tiny WanImageToVideoPipeline folders (Wan 2.1 with its CLIP image encoder; Wan 2.2 A14B's two
+    experts) and an animation prompt set: one 32 px scene as every prompt's first frame."""
+    from diffusers import WanImageToVideoPipeline  # noqa: F401 (the class the folders hold)
+
+    from pipelines.tiny_zoo import build_tiny_wan_i2v_pipeline
+
+    root = tmp_path_factory.mktemp("wan-i2v")
+    for layout in ("wan21", "a14b"):
+        build_tiny_wan_i2v_pipeline(vocabulary(), layout).save_pretrained(root / layout)
+    render_scene(prompt_split("train")[0], random.Random(0), size=32).save(root / "scene.png")
+    prompts = ["a photo of a red circle", "a photo of two squares"]
+    (root / "animate.jsonl").write_text("".join(json.dumps({"prompt": p, "image": "scene.png"}) + "\n" for p in prompts))
+    return root
+
+
+def _wan_pipeline_latents(root, layout, records, seed, guidance, pipe=None):
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
+
+    pipe = pipe or WanImageToVideoPipeline.from_pretrained(root / layout)
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=pipe.scheduler.config.flow_shift)  # the adapter's steps
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(image=Image.open(records[0]["image"]).convert("RGB"), prompt=[r["prompt"] for r in records],
+                num_inference_steps=4, guidance_scale=guidance, output_type="latent", max_sequence_length=TOKENS,
+                generator=torch.Generator().manual_seed(seed), **VIDEO).frames
+
+
+def _wan_samples(adapter, records, seed, guidance, eta=0.0):
+    generator = torch.Generator().manual_seed(seed)
+    noise = adapter.initial_noise(len(records), generator)
+    return rollout(adapter, encode_records(adapter.encode, records), noise, adapter.schedule(4),
+                   plan_steps(4, len(records), eta), guidance_scale=guidance, generator=generator)
+
+
+@pytest.mark.parametrize("layout", ["wan21", "a14b"])
+def test_wan_i2v_rollout_reproduces_the_pipeline_and_its_lora_loads(wan_world, layout, tmp_path):
+    records = load_prompts(str(wan_world / "animate.jsonl"))
+    adapter = adapter_class("wan_i2v").from_pretrained(str(wan_world / layout), max_sequence_length=TOKENS, **VIDEO)
+    expected = _wan_pipeline_latents(wan_world, layout, records, 3, 3.0)
+    assert (_wan_samples(adapter, records, 3, 3.0).samples - expected).abs().max().item() <= 1e-5
+    adapter.add_lora(rank=4)
+    _perturb(adapter.model)
+    traj = _wan_samples(adapter, records, 2, 3.0, eta=1.0)
+    assert any(g is not None and g.abs().sum() > 0 for g in rescored_gradients(adapter, traj, 3, 3.0).values())
+    with torch.no_grad(), adapter.reference():
+        assert (_wan_samples(adapter, records, 3, 3.0).samples - expected).abs().max().item() <= 1e-5
+    adapter.save_trained(tmp_path / "lora")
+    from diffusers import WanImageToVideoPipeline
+
+    pipe = WanImageToVideoPipeline.from_pretrained(wan_world / layout)
+    pipe.load_lora_weights(tmp_path / "lora")  # diffusers' Wan loader (WanLoraLoaderMixin)
+    if layout == "a14b":
+        pipe.load_lora_weights(tmp_path / "lora" / "transformer_2_lora", load_into_transformer_2=True)
+    loaded = _wan_pipeline_latents(wan_world, layout, records, 0, 3.0, pipe=pipe)
+    assert (_wan_samples(adapter, records, 0, 3.0).samples - loaded).abs().max().item() <= 1e-5
+    assert (loaded - _wan_pipeline_latents(wan_world, layout, records, 0, 3.0)).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_wan_i2v_trains_with_every_objective(wan_world, tmp_path, method):
+    SEEN.clear()
+    prompts = wan_world / "animate.jsonl"
+    trainer = Trainer(load_config(None, [
+        f"output_dir={tmp_path}", "model.family=wan_i2v", f"model.path={wan_world / 'a14b'}", "model.lora_rank=4",
+        *[f"model.{k}={v}" for k, v in VIDEO.items()], f"model.kwargs={{max_sequence_length: {TOKENS}}}",
+        "sampling.guidance_scale=3.0", "tracker=none", "sampling.num_steps=4", "train.epochs=1",
+        "train.groups_per_epoch=2", "train.group_size=2", "train.sample_batch_size=4", "train.train_batch_size=4",
+        "train.noise_draws=2", "train.learning_rate=1e-2", f"data.train_prompts={prompts}",
+        f"data.eval_prompts={prompts}", "eval.seeds=1", "eval.grid_prompts=2", "eval.grid_seeds=1",
+        f"eval.every={1 if method == 'flow_grpo' else 0}", "checkpoint_every=0", "reward.name=per_frame",
+        "reward.kwargs={reward: test_sees_the_input}", "reward.weights={closeness: 1.0}", *METHODS[method]]))
+    initial = [p.detach().clone() for p in trainer.params]
+    trainer.train()
+    stats = trainer.history[0]
+    assert math.isfinite(stats["train/policy_loss"]) and stats["train/grad_norm"] > 0
+    assert any((p.detach() - p0).abs().max() > 0 for p, p0 in zip(trainer.params, initial))
+    assert SEEN and all(image == str(wan_world / "scene.png") for batch in SEEN for image in batch)
+    if method == "flow_grpo":  # the grid: the input frame, then the video's contact sheet
+        assert Image.open(tmp_path / "grids" / "before.png").width > Image.open(tmp_path / "grids" / "before.png").height
