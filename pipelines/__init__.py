@@ -21,6 +21,7 @@ FAMILIES["qwen_image"] = "pipelines.qwen_image:QwenImageAdapter"
 FAMILIES["flux2"] = "pipelines.flux2:Flux2KleinAdapter"  # FLUX.2 klein (base and step-distilled)
 FAMILIES["z_image"] = "pipelines.z_image:ZImageAdapter"  # Z-Image and Z-Image-Turbo
 FAMILIES["flux_kontext"] = "pipelines.flux_kontext:FluxKontextAdapter"  # image-conditioned (editing)
+FAMILIES["qwen_image_edit"] = "pipelines.qwen_image_edit:QwenImageEditAdapter"  # image-conditioned (editing)
 FAMILIES["wan_i2v"] = "pipelines.wan_i2v:WanImageToVideoAdapter"  # image-conditioned (image-to-video)
 
 # constructor arguments that have their own setting (model.height, ...) or that the loader sets

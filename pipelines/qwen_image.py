@@ -101,22 +101,34 @@ class QwenImageAdapter(DenoiserAdapter):
         n, c, h, w = x.shape
         packed = self.pipe._pack_latents(x.to(self.model.dtype), n, c, h, w)
         t = self.batch_timesteps(t, n)
-        v = self._forward(model, packed, t, cond, (h, w))
+        tensors = cond.tensors
+        v = self._forward(model, packed, t, tensors["embeds"], tensors["mask"], tensors, (h, w))
         if guidance_scale > 1.0:
-            negative = self.negative()
-            negative = Conditioning({k: v_.expand(n, *v_.shape[1:]) for k, v_ in negative.tensors.items()})
-            v = norm_rescaled_cfg(v, self._forward(model, packed, t, negative, (h, w)), guidance_scale)
+            embeds, mask = self.negative_tokens(cond)
+            v = norm_rescaled_cfg(v, self._forward(model, packed, t, embeds, mask, tensors, (h, w)), guidance_scale)
         return self.pipe._unpack_latents(v, self.height, self.width, self.pipe.vae_scale_factor).squeeze(2)
 
-    def _forward(self, model: nn.Module, packed: torch.Tensor, t: torch.Tensor, cond: Conditioning,
-                 latent_size: tuple[int, int]) -> torch.Tensor:
-        """One transformer pass on packed latents [B, N, 4C] → packed velocity [B, N, 4C]."""
+    def negative_tokens(self, cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:
+        """The negative branch's text tokens and mask [B, L, D], [B, L] for the samples of ``cond``."""
+        negative = self.negative().tensors
+        return (negative["embeds"].expand(len(cond), *negative["embeds"].shape[1:]),
+                negative["mask"].expand(len(cond), -1))
+
+    def _forward(self, model: nn.Module, packed: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor,
+                 mask: torch.Tensor, tensors: dict[str, torch.Tensor], latent_size: tuple[int, int]) -> torch.Tensor:
+        """One transformer pass on packed latents [B, N, 4C] (with an edit's packed input image after
+        them, ``tensors["image_latents"]``) → packed velocity [B, N, 4C]."""
         dtype = self.model.dtype
-        embeds, mask = trim_tokens(cond.tensors["embeds"], cond.tensors["mask"])
+        embeds, mask = trim_tokens(embeds, mask)
         h, w = latent_size
+        shapes = [(1, h // 2, w // 2)]
+        tokens = packed.shape[1]
+        if "image_latents" in tensors:  # Qwen-Image-Edit
+            packed = torch.cat([packed, tensors["image_latents"].to(dtype)], dim=1)
+            shapes.append(self.condition_shape)
         return model(hidden_states=packed, timestep=t.to(dtype) / 1000, guidance=None, encoder_hidden_states_mask=mask,
-                     encoder_hidden_states=embeds.to(dtype), img_shapes=[[(1, h // 2, w // 2)]] * len(packed),
-                     return_dict=False)[0]
+                     encoder_hidden_states=embeds.to(dtype), img_shapes=[shapes] * len(packed),
+                     return_dict=False)[0][:, :tokens]
 
     # -- decoding ------------------------------------------------------------------------
     @torch.no_grad()

@@ -318,3 +318,19 @@ def build_tiny_wan_i2v_pipeline(words: list[str], layout: str = "wan21", seed: i
         extra = {"transformer_2": transformer(), "boundary_ratio": 0.9}
     return WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
                                    transformer=transformer(), **extra)
+
+
+def build_tiny_qwen_image_edit_pipeline(words: list[str], sizes: TinyQwenImageSizes = TinyQwenImageSizes(),
+                                        seed: int = 0):
+    """A randomly initialised ``QwenImageEditPipeline`` for instructions made of ``words``: Qwen-Image's
+    parts, and a ``Qwen2VLProcessor`` whose image processor feeds the text encoder's vision tower at
+    most 56 × 56 pixels (4 image tokens; the real one allows far more)."""
+    from diffusers import QwenImageEditPipeline
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    base = build_tiny_qwen_image_pipeline(words, sizes, seed)
+    pixels = {"min_pixels": 56 * 56, "max_pixels": 56 * 56}
+    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=base.tokenizer,
+                                 video_processor=Qwen2VLVideoProcessor(**pixels),
+                                 chat_template=base.tokenizer.chat_template)
+    return QwenImageEditPipeline(processor=processor, **base.components)

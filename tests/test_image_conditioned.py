@@ -23,7 +23,7 @@ from flowalign.samplers.steps import plan_steps
 from flowalign.trainer import Trainer
 from flowalign.worlds.shapes import prompt_split, render_scene, vocabulary
 from pipelines import adapter_class
-from pipelines.base import PromptEmbeddingCache, encode_records
+from pipelines.base import PromptEmbeddingCache, encode_records, load_condition_image
 from pipelines.tiny import build_tiny_flux_pipeline
 from reward_models.base import Reward, build_reward, register_reward
 
@@ -136,7 +136,8 @@ class _SeesTheInput(Reward):
 
     def __call__(self, samples, prompts, metadata):
         SEEN.append([m.get("image") for m in metadata])
-        inputs = torch.stack([torch.from_numpy(np.array(Image.open(m["image"]).convert("RGB")))
+        h, w = samples.shape[-2:]
+        inputs = torch.stack([torch.from_numpy(np.array(load_condition_image(m["image"], h, w)))
                               for m in metadata]).permute(0, 3, 1, 2).float() / 255
         return {"closeness": -(samples - inputs).abs().mean(dim=(1, 2, 3))}
 
@@ -301,3 +302,74 @@ def test_wan_i2v_trains_with_every_objective(wan_world, tmp_path, method):
     assert SEEN and all(image == str(wan_world / "scene.png") for batch in SEEN for image in batch)
     if method == "flow_grpo":  # the grid: the input frame, then the video's contact sheet
         assert Image.open(tmp_path / "grids" / "before.png").width > Image.open(tmp_path / "grids" / "before.png").height
+
+
+# --------------------------------------------------------------------------- Qwen-Image-Edit
+
+@pytest.fixture(scope="module")
+def qwen_edit(world, tmp_path_factory):
+    """A tiny QwenImageEditPipeline folder; the prompt set is ``world``'s (scenes with edits)."""
+    from pipelines.tiny_zoo import build_tiny_qwen_image_edit_pipeline
+
+    path = tmp_path_factory.mktemp("qwen-edit")
+    build_tiny_qwen_image_edit_pipeline(vocabulary() + sorted({w for e in EDITS for w in e.split()})
+                                        ).save_pretrained(path)
+    return path
+
+
+def _qwen_edit_latents(path, records, seed, pipe=None):
+    from diffusers import QwenImageEditPipeline
+
+    pipe = pipe or QwenImageEditPipeline.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    out = []
+    for r in records:  # the pipeline takes one input image per call
+        out.append(pipe(image=Image.open(r["image"]).convert("RGB"), prompt=[r["prompt"]], height=32, width=32,
+                        num_inference_steps=STEPS, true_cfg_scale=4.0, negative_prompt=" ", output_type="latent",
+                        max_sequence_length=64, generator=torch.Generator().manual_seed(seed)).images)
+    return out
+
+
+def test_qwen_image_edit_reproduces_the_pipeline_trains_and_its_lora_loads(world, qwen_edit, tmp_path):
+    from diffusers import QwenImageEditPipeline
+
+    records = _records(world)
+    adapter = adapter_class("qwen_image_edit").from_pretrained(str(qwen_edit), height=32, width=32,
+                                                               max_sequence_length=64)
+
+    def samples(seed, eta=0.0):  # each record alone: the pipeline's noise for one image per call
+        out = []
+        for r in records:
+            generator = torch.Generator().manual_seed(seed)
+            traj = rollout(adapter, encode_records(adapter.encode, [r]), adapter.initial_noise(1, generator),
+                           adapter.schedule(STEPS), plan_steps(STEPS, 1, eta), guidance_scale=4.0, generator=generator)
+            out.append((traj, adapter.pipe._pack_latents(traj.samples, *traj.samples.shape)))
+        return out
+
+    expected = _qwen_edit_latents(qwen_edit, records, 3)
+    assert all((got - exp).abs().max().item() <= 1e-5 for (_, got), exp in zip(samples(3), expected))
+    adapter.add_lora(rank=4)
+    _perturb(adapter.model)
+    traj, _ = samples(2, eta=1.0)[0]
+    assert any(g is not None and g.abs().sum() > 0 for g in rescored_gradients(adapter, traj, STEPS - 1, 4.0).values())
+    adapter.save_trained(tmp_path / "lora")
+    pipe = QwenImageEditPipeline.from_pretrained(qwen_edit)
+    pipe.load_lora_weights(tmp_path / "lora")  # the pipeline's own loader (QwenImageLoraLoaderMixin)
+    loaded = _qwen_edit_latents(qwen_edit, records, 0, pipe=pipe)
+    assert all((got - exp).abs().max().item() <= 1e-5 for (_, got), exp in zip(samples(0), loaded))
+
+    SEEN.clear()
+    prompts = world / "edits.jsonl"
+    trainer = Trainer(load_config(None, [
+        f"output_dir={tmp_path / 'run'}", "model.family=qwen_image_edit", f"model.path={qwen_edit}",
+        "model.lora_rank=4", "model.height=32", "model.width=32", "model.kwargs={max_sequence_length: 64}",
+        "sampling.guidance_scale=1.0", "tracker=none", f"sampling.num_steps={STEPS}", "train.epochs=1",
+        "train.groups_per_epoch=2", "train.group_size=2", "train.sample_batch_size=4", "train.train_batch_size=4",
+        "train.noise_draws=2", "train.learning_rate=1e-2", f"data.train_prompts={prompts}",
+        f"data.eval_prompts={prompts}", "eval.seeds=1", "eval.grid_prompts=2", "eval.grid_seeds=1", "eval.every=0",
+        "checkpoint_every=0", "reward.name=test_sees_the_input", "reward.weights={closeness: 1.0}",
+        *METHODS["flow_grpo"]]))
+    trainer.train()
+    stats = trainer.history[0]
+    assert stats["train/ratio"] == pytest.approx(1.0, abs=1e-6) and stats["train/grad_norm"] > 0
+    assert SEEN and all(image in {r["image"] for r in records} for batch in SEEN for image in batch)
