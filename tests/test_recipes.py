@@ -21,7 +21,9 @@ HUB_IDS = {"sd35m_flow_grpo_geneval.yaml": "stabilityai/stable-diffusion-3.5-med
            "qwen_image_flow_grpo_pickscore.yaml": "Qwen/Qwen-Image",
            "flux2_klein_flow_grpo_pickscore.yaml": "black-forest-labs/FLUX.2-klein-base-4B",
            "z_image_turbo_flow_grpo_fast_pickscore.yaml": "Tongyi-MAI/Z-Image-Turbo",
-           "wan22_a14b_t2v_flow_grpo_temporal.yaml": "Wan-AI/Wan2.2-T2V-A14B-Diffusers"}
+           "wan22_a14b_t2v_flow_grpo_temporal.yaml": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+           "flux_kontext_flow_grpo_counting_edit.yaml": "black-forest-labs/FLUX.1-Kontext-dev",
+           "qwen_image_edit_flow_grpo_counting_edit.yaml": "Qwen/Qwen-Image-Edit"}
 
 
 @pytest.fixture
