@@ -128,11 +128,11 @@ def load_adapter(family: str, path: str, *, dtype: str = "float32", device="cpu"
     or a hub id), ``trained`` weights fused in when given (a ``save_trained`` folder).
 
     ``options``: ``model.kwargs``, checked against ``adapter_options(family)`` before any weight
-    loads. ``attention``: auto | sdpa | xformers (``pipelines.attention``), applied to the
+    loads. ``attention``: auto | sdpa | xformers | a diffusers dispatcher backend (``pipelines.attention``), applied to the
     pipeline's diffusers models before any LoRA or frozen reference copy is made, so those share it.
     ``height``, ``width``, ``num_frames``: passed only when set (families without a size refuse them).
     """
-    from pipelines.attention import announce, resolve_attention
+    from pipelines.attention import announce, resolve_attention, set_dispatcher_backend
 
     cls = adapter_class(family)
     options = dict(options or {})
@@ -142,6 +142,9 @@ def load_adapter(family: str, path: str, *, dtype: str = "float32", device="cpu"
     switches = {name: options.pop(name) for name in LOAD_OPTIONS if name in options}
     sizes = {k: v for k, v in (("height", height), ("width", width), ("num_frames", num_frames)) if v is not None}
     adapter = cls.from_pretrained(path, dtype=dtype, device=device, trained=trained, **sizes, **options)
+    if backend not in ("sdpa", "xformers"):  # a backend of diffusers' attention dispatcher
+        message = set_dispatcher_backend(adapter.denoisers().values(), backend)
+        backend = "sdpa" if message else backend
     announce(message)
     if backend == "xformers":
         adapter.enable_xformers()
