@@ -128,7 +128,7 @@ def load_adapter(family: str, path: str, *, dtype: str = "float32", device="cpu"
     or a hub id), ``trained`` weights fused in when given (a ``save_trained`` folder).
 
     ``options``: ``model.kwargs``, checked against ``adapter_options(family)`` before any weight
-    loads. ``attention``: auto | sdpa | xformers | a diffusers dispatcher backend (``pipelines.attention``), applied to the
+    loads. ``attention``: auto | sdpa | xformers | a backend of diffusers' dispatcher (``pipelines.attention``), applied to the
     pipeline's diffusers models before any LoRA or frozen reference copy is made, so those share it.
     ``height``, ``width``, ``num_frames``: passed only when set (families without a size refuse them).
     """

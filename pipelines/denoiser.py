@@ -101,6 +101,7 @@ class DenoiserAdapter:
     pipeline_class: type
     model_folder: str
     lora_targets: tuple[str, ...]
+    negative_prompt: str = ""  # CFG's negative branch (families with a ``negative_prompt`` option set their own)
 
     def __init__(self, pipe, *, device: str | torch.device = "cpu", height: int | None = None,
                  width: int | None = None):
@@ -152,10 +153,17 @@ class DenoiserAdapter:
 
     # -- sampling ------------------------------------------------------------------------
     def default_size(self) -> tuple[int, int]:
-        """(height, width) in pixels when none is given: the denoiser's sample size, as the pipeline's default."""
-        size = self.model.config.sample_size
+        """(height, width) in pixels when none is given, as the pipeline's default: its
+        ``default_sample_size`` (FLUX, Qwen-Image, FLUX.2, SD3, SDXL) or else the denoiser's sample
+        size, times the VAE's compression."""
+        size = getattr(self.pipe, "default_sample_size", None) or self.model.config.sample_size
         size_h, size_w = (size, size) if isinstance(size, int) else size
         return size_h * self.pipe.vae_scale_factor, size_w * self.pipe.vae_scale_factor
+
+    def check_size(self, multiple: int, why: str) -> None:
+        """Refuse a height or width that is not a multiple of ``multiple`` (``why``: the pipeline's reason)."""
+        if self.height % multiple or self.width % multiple:
+            raise ValueError(f"{why}: height and width must be multiples of {multiple}, got {self.height}×{self.width}")
 
     def latent_shape(self) -> tuple[int, ...]:
         """The shape of one sample's latent x, without the batch: (C, h, w) by default."""
@@ -173,10 +181,14 @@ class DenoiserAdapter:
         self.scheduler.set_timesteps(num_steps, device=self.device, **set_timesteps_kwargs)
         return Schedule(sigmas=self.scheduler.sigmas.float().clone(), timesteps=self.scheduler.timesteps.clone())
 
-    def shifted_flow_schedule(self, num_steps: int, image_seq_len: int) -> Schedule:
+    def shifted_flow_schedule(self, num_steps: int, image_seq_len: int | None = None) -> Schedule:
         """What FLUX.1, Qwen-Image and Z-Image set: σ's linspace(1, 1/S, S), shifted with mu =
         calculate_shift(image_seq_len) (the scheduler config's base/max sequence lengths and shifts,
-        FLUX's defaults where it has none) when the scheduler shifts dynamically, else by its fixed shift."""
+        FLUX's defaults where it has none) when the scheduler shifts dynamically, else by its fixed shift.
+        ``image_seq_len`` None: the number of 2×2 patches of the (C, h, w) latent, as those pipelines pack it."""
+        if image_seq_len is None:
+            _, h, w = self.latent_shape()
+            image_seq_len = (h // 2) * (w // 2)
         config = self.scheduler.config
         base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
         base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
@@ -185,8 +197,11 @@ class DenoiserAdapter:
         return self.flow_schedule(num_steps, sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
 
     def negative(self) -> Conditioning:
-        """The unconditional branch of CFG [1, ...], as the pipeline makes it (cached)."""
-        raise NotImplementedError
+        """The negative branch of CFG [1, ...]: ``negative_prompt``'s conditioning ("" unless the
+        family takes one), as the pipeline makes it (cached)."""
+        if self._negative is None:
+            self._negative = self.encode([self.negative_prompt])
+        return self._negative
 
     def guidance_inputs(self, x: torch.Tensor, cond: Conditioning, guidance_scale: float):
         """(x, conditioning tensors) for the denoiser: with CFG (guidance_scale > 1) both doubled to

@@ -53,10 +53,7 @@ class FluxAdapter(DenoiserAdapter):
                  true_cfg_scale: float = 1.0, negative_prompt: str = "", height: int | None = None,
                  width: int | None = None):
         super().__init__(pipe, device=device, height=height, width=width)
-        multiple = 2 * pipe.vae_scale_factor
-        if self.height % multiple or self.width % multiple:
-            raise ValueError(f"FLUX packs 2×2 latent patches: height and width must be multiples of {multiple}, "
-                             f"got {self.height}×{self.width}")
+        self.check_size(2 * pipe.vae_scale_factor, "FLUX packs 2×2 latent patches")
         if not isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler):
             raise ValueError(f"FluxAdapter steps with FLUX's FlowMatchEulerDiscreteScheduler schedule; this pipeline "
                              f"has a {type(pipe.scheduler).__name__}")
@@ -65,10 +62,6 @@ class FluxAdapter(DenoiserAdapter):
         self.true_cfg_scale = true_cfg_scale
         self.negative_prompt = negative_prompt
         self.guidance_embeds = bool(self.model.config.guidance_embeds)
-
-    def default_size(self) -> tuple[int, int]:
-        size = self.pipe.default_sample_size * self.pipe.vae_scale_factor  # FluxPipeline's default (1024)
-        return size, size
 
     def latent_shape(self) -> tuple[int, ...]:
         f = self.pipe.vae_scale_factor
@@ -82,18 +75,12 @@ class FluxAdapter(DenoiserAdapter):
                                                     max_sequence_length=self.max_sequence_length)
         return Conditioning({"embeds": embeds, "pooled": pooled})
 
-    def negative(self) -> Conditioning:
-        """``negative_prompt``'s conditioning [1, ...], the negative branch of true CFG (cached)."""
-        if self._negative is None:
-            self._negative = self.encode([self.negative_prompt])
-        return self._negative
 
     # -- sampling ------------------------------------------------------------------------
     def schedule(self, num_steps: int) -> Schedule:
         """What ``FluxPipeline`` sets (``DenoiserAdapter.shifted_flow_schedule`` over its packed
         sequence length): FLUX.1-dev shifts with the resolution, schnell by its fixed shift."""
-        _, h, w = self.latent_shape()
-        return self.shifted_flow_schedule(num_steps, (h // 2) * (w // 2))
+        return self.shifted_flow_schedule(num_steps)
 
     def predict(self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance_scale: float = 1.0,
                 model: nn.Module | None = None) -> torch.Tensor:

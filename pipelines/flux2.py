@@ -57,18 +57,11 @@ class Flux2KleinAdapter(DenoiserAdapter):
                  text_encoder_out_layers: list[int] | tuple[int, ...] = (9, 18, 27), height: int | None = None,
                  width: int | None = None):
         super().__init__(pipe, device=device, height=height, width=width)
-        multiple = 2 * pipe.vae_scale_factor
-        if self.height % multiple or self.width % multiple:
-            raise ValueError(f"FLUX.2 patchifies 2×2 latents: height and width must be multiples of {multiple}, "
-                             f"got {self.height}×{self.width}")
+        self.check_size(2 * pipe.vae_scale_factor, "FLUX.2 patchifies 2×2 latents")
         self.scheduler = copy.deepcopy(pipe.scheduler)
         self.max_sequence_length = max_sequence_length
         self.text_encoder_out_layers = tuple(text_encoder_out_layers)
         self.distilled = bool(pipe.config.is_distilled)
-
-    def default_size(self) -> tuple[int, int]:
-        size = self.pipe.default_sample_size * self.pipe.vae_scale_factor  # the pipeline's default (1024)
-        return size, size
 
     def latent_shape(self) -> tuple[int, ...]:
         f = 2 * self.pipe.vae_scale_factor
@@ -82,11 +75,6 @@ class Flux2KleinAdapter(DenoiserAdapter):
                                             text_encoder_out_layers=self.text_encoder_out_layers)
         return Conditioning({"embeds": embeds})
 
-    def negative(self) -> Conditioning:
-        """The empty prompt's conditioning [1, ...], the pipeline's negative branch (cached)."""
-        if self._negative is None:
-            self._negative = self.encode([""])
-        return self._negative
 
     # -- sampling ------------------------------------------------------------------------
     def schedule(self, num_steps: int) -> Schedule:

@@ -57,17 +57,10 @@ class QwenImageAdapter(DenoiserAdapter):
     def __init__(self, pipe: QwenImagePipeline, *, device: str | torch.device = "cpu", max_sequence_length: int = 512,
                  negative_prompt: str = " ", height: int | None = None, width: int | None = None):
         super().__init__(pipe, device=device, height=height, width=width)
-        multiple = 2 * pipe.vae_scale_factor
-        if self.height % multiple or self.width % multiple:
-            raise ValueError(f"Qwen-Image packs 2×2 latent patches: height and width must be multiples of {multiple}, "
-                             f"got {self.height}×{self.width}")
+        self.check_size(2 * pipe.vae_scale_factor, "Qwen-Image packs 2×2 latent patches")
         self.scheduler = copy.deepcopy(pipe.scheduler)
         self.max_sequence_length = max_sequence_length
         self.negative_prompt = negative_prompt
-
-    def default_size(self) -> tuple[int, int]:
-        size = self.pipe.default_sample_size * self.pipe.vae_scale_factor  # the pipeline's default (1024)
-        return size, size
 
     def latent_shape(self) -> tuple[int, ...]:
         f = self.pipe.vae_scale_factor
@@ -77,21 +70,16 @@ class QwenImageAdapter(DenoiserAdapter):
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> Conditioning:
         """prompts: B strings → {"embeds": [B, L, D], "mask": [B, L]} with L = max_sequence_length."""
-        embeds, mask = self.pipe.encode_prompt(prompts, device=self.device, max_sequence_length=self.max_sequence_length)
+        embeds, mask = self.pipe.encode_prompt(prompts, device=self.device,
+                                               max_sequence_length=self.max_sequence_length)
         embeds, mask = pad_tokens(embeds, mask, self.max_sequence_length)
         return Conditioning({"embeds": embeds, "mask": mask})
 
-    def negative(self) -> Conditioning:
-        """``negative_prompt``'s conditioning [1, ...] (cached)."""
-        if self._negative is None:
-            self._negative = self.encode([self.negative_prompt])
-        return self._negative
 
     # -- sampling ------------------------------------------------------------------------
     def schedule(self, num_steps: int) -> Schedule:
         """What ``QwenImagePipeline`` sets: ``shifted_flow_schedule`` over its packed sequence length."""
-        _, h, w = self.latent_shape()
-        return self.shifted_flow_schedule(num_steps, (h // 2) * (w // 2))
+        return self.shifted_flow_schedule(num_steps)
 
     def predict(self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance_scale: float = 1.0,
                 model: nn.Module | None = None) -> torch.Tensor:

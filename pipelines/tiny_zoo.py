@@ -21,11 +21,9 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
 QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|vision_start|>",
                  "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-# Qwen's pre-tokenizer split (words with their leading space, digits one by one, punctuation runs, newlines)
-QWEN_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 # the words of the pipelines' system prompts (QwenImagePipeline's template and its edit variants)
-QWEN_TEMPLATE_TEXT = ("system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
-                      "relationships of the objects and background:\nuser\nassistant\nDescribe the key features of "
+QWEN_TEMPLATE_TEXT = ("system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+                      "spatial relationships of the objects and background:\nuser\nassistant\nDescribe the key features of "
                       "the input image (color, shape, size, texture, objects, background), then explain how the user's "
                       "text instruction should alter or modify the image. Generate a new image that meets the user's "
                       "requirements while maintaining consistency with the original input where appropriate.\n"
@@ -42,10 +40,11 @@ def build_qwen_tokenizer(words: list[str]):
     chat markers as special tokens, a Qwen3-style chat template) whose merges make every word of
     ``words`` and of the prompt templates one token, with or without a leading space."""
     from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX  # Qwen's pre-tokenizer split
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     trainer = trainers.BpeTrainer(vocab_size=10_000, special_tokens=list(QWEN_SPECIALS), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -264,7 +263,8 @@ def build_tiny_wan22_pipeline(words: list[str], layout: str = "a14b", seed: int 
                                temperal_downsample=[False, True, True])
     else:
         vae = AutoencoderKLWan(base_dim=8, z_dim=channels, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                               temperal_downsample=[False, True, True], is_residual=True, patch_size=2, in_channels=12, out_channels=12,
+                               temperal_downsample=[False, True, True], is_residual=True, patch_size=2,
+                               in_channels=12, out_channels=12,
                                scale_factor_spatial=16, latents_mean=[0.1 * i for i in range(channels)],
                                latents_std=[1.0 + 0.1 * i for i in range(channels)])
     shift = WAN22_A14B_FLOW_SHIFT if layout == "a14b" else WAN22_TI2V_FLOW_SHIFT

@@ -145,11 +145,6 @@ class WanAdapter(DenoiserAdapter):
                                             max_sequence_length=self.max_sequence_length, device=self.device)
         return Conditioning({"embeds": embeds})
 
-    def negative(self) -> Conditioning:
-        """``negative_prompt``'s conditioning [1, ...], the unconditional branch of CFG (cached)."""
-        if self._negative is None:
-            self._negative = self.encode([self.negative_prompt])
-        return self._negative
 
     # -- sampling ------------------------------------------------------------------------
     def schedule(self, num_steps: int) -> Schedule:

@@ -47,10 +47,7 @@ class ZImageAdapter(DenoiserAdapter):
                  negative_prompt: str = "", cfg_normalization: float = 0.0, cfg_truncation: float = 1.0,
                  height: int | None = None, width: int | None = None):
         super().__init__(pipe, device=device, height=height, width=width)
-        multiple = 2 * pipe.vae_scale_factor
-        if self.height % multiple or self.width % multiple:
-            raise ValueError(f"Z-Image patchifies 2×2 latents: height and width must be multiples of {multiple}, "
-                             f"got {self.height}×{self.width}")
+        self.check_size(2 * pipe.vae_scale_factor, "Z-Image patchifies 2×2 latents")
         self.scheduler = copy.deepcopy(pipe.scheduler)
         self.max_sequence_length = max_sequence_length
         self.negative_prompt = negative_prompt
@@ -73,17 +70,11 @@ class ZImageAdapter(DenoiserAdapter):
         padded = [pad_tokens(e[None], None, self.max_sequence_length) for e in embeds]
         return Conditioning({"embeds": torch.cat([e for e, _ in padded]), "mask": torch.cat([m for _, m in padded])})
 
-    def negative(self) -> Conditioning:
-        """``negative_prompt``'s conditioning [1, ...] (cached)."""
-        if self._negative is None:
-            self._negative = self.encode([self.negative_prompt])
-        return self._negative
 
     # -- sampling ------------------------------------------------------------------------
     def schedule(self, num_steps: int) -> Schedule:
         """What ``ZImagePipeline`` sets: ``shifted_flow_schedule`` over its packed sequence length."""
-        _, h, w = self.latent_shape()
-        return self.shifted_flow_schedule(num_steps, (h // 2) * (w // 2))
+        return self.shifted_flow_schedule(num_steps)
 
     def predict(self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance_scale: float = 0.0,
                 model: nn.Module | None = None) -> torch.Tensor:

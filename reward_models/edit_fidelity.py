@@ -67,7 +67,8 @@ class EditFidelity(Reward):
         similarity = torch.full((len(prompts),), float("nan"))
         if any(has):
             inputs = self.image_embeddings([Image.open(m["image"]).convert("RGB") for m, h in zip(metadata, has) if h])
-            similarity[torch.tensor(has)] = (output[torch.tensor(has, device=output.device)] * inputs).sum(-1).float().cpu()
+            rows = torch.tensor(has)
+            similarity[rows] = (output[rows.to(output.device)] * inputs).sum(-1).float().cpu()
         w = self.input_weight
         return {"edit_fidelity": w * similarity + (1 - w) * alignment, "input_similarity": similarity,
                 "text_alignment": alignment}

@@ -11,7 +11,8 @@ import random
 import numpy as np
 import pytest
 import torch
-from adapter_checks import reference_predictions, rescored_gradients
+from adapter_checks import (FLOW_METHODS, assert_on_policy_at_init, assert_trained, reference_predictions,
+                            rescored_gradients, train_once)
 from diffusers import FluxKontextPipeline
 from PIL import Image
 from test_neural_rewards import clip_dir, load_clip  # noqa: F401 (the tiny CLIP folder fixture)
@@ -142,14 +143,6 @@ class _SeesTheInput(Reward):
         return {"closeness": -(samples - inputs).abs().mean(dim=(1, 2, 3))}
 
 
-METHODS = {
-    "flow_grpo": ["method=flow_grpo", "sampling.sde=flow_grpo", "train.kl_beta=0.1"],
-    "cps": ["method=flow_grpo", "sampling.sde=cps", "train.kl_beta=0.1"],
-    "dance_grpo": ["method=dance_grpo", "sampling.sde=dance_grpo"],
-    "diffusion_nft": ["method=diffusion_nft", "train.kl_beta=0.1"],
-}
-
-
 def _config(world, out, *overrides):
     prompts = world / "edits.jsonl"
     return load_config(None, [
@@ -162,23 +155,18 @@ def _config(world, out, *overrides):
         "checkpoint_every=0", "reward.name=test_sees_the_input", "reward.weights={closeness: 1.0}", *overrides])
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", sorted(FLOW_METHODS))
 def test_each_objective_trains_with_the_input_in_the_rewards_metadata(world, tmp_path, method):
     SEEN.clear()
-    trainer = Trainer(_config(world, tmp_path, *METHODS[method], "eval.every=0"))
-    initial = [p.detach().clone() for p in trainer.params]
-    trainer.train()
-    stats = trainer.history[0]
-    assert math.isfinite(stats["train/policy_loss"]) and stats["train/grad_norm"] > 0 and stats["train/kl"] == 0.0
-    if method != "diffusion_nft":
-        assert stats["train/ratio"] == pytest.approx(1.0, abs=1e-6)
-    assert any((p.detach() - p0).abs().max() > 0 for p, p0 in zip(trainer.params, initial))
+    trainer, initial = train_once(_config(world, tmp_path, *FLOW_METHODS[method], "eval.every=0"))
+    assert_trained(trainer, initial)
+    assert_on_policy_at_init(trainer.history[0], method)
     inputs = {r["image"] for r in _records(world)}
     assert SEEN and all(image in inputs for batch in SEEN for image in batch)
 
 
 def test_the_eval_grid_shows_each_input_beside_its_outputs(world, tmp_path):
-    trainer = Trainer(_config(world, tmp_path, *METHODS["flow_grpo"], "eval.every=1", "train.epochs=1"))
+    trainer = Trainer(_config(world, tmp_path, *FLOW_METHODS["flow_grpo"], "eval.every=1", "train.epochs=1"))
     trainer.train()
     grid = Image.open(tmp_path / "grids" / "before.png")
     cell = 96 + 2  # to_pil_grid's minimum cell (96 px) and its padding
@@ -235,7 +223,8 @@ def wan_world(tmp_path_factory):
         build_tiny_wan_i2v_pipeline(vocabulary(), layout).save_pretrained(root / layout)
     render_scene(prompt_split("train")[0], random.Random(0), size=32).save(root / "scene.png")
     prompts = ["a photo of a red circle", "a photo of two squares"]
-    (root / "animate.jsonl").write_text("".join(json.dumps({"prompt": p, "image": "scene.png"}) + "\n" for p in prompts))
+    (root / "animate.jsonl").write_text("".join(json.dumps({"prompt": p, "image": "scene.png"}) + "\n"
+                                                for p in prompts))
     return root
 
 
@@ -281,7 +270,7 @@ def test_wan_i2v_rollout_reproduces_the_pipeline_and_its_lora_loads(wan_world, l
     assert (loaded - _wan_pipeline_latents(wan_world, layout, records, 0, 3.0)).abs().max().item() > 1e-3
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", sorted(FLOW_METHODS))
 def test_wan_i2v_trains_with_every_objective(wan_world, tmp_path, method):
     SEEN.clear()
     prompts = wan_world / "animate.jsonl"
@@ -293,7 +282,7 @@ def test_wan_i2v_trains_with_every_objective(wan_world, tmp_path, method):
         "train.noise_draws=2", "train.learning_rate=1e-2", f"data.train_prompts={prompts}",
         f"data.eval_prompts={prompts}", "eval.seeds=1", "eval.grid_prompts=2", "eval.grid_seeds=1",
         f"eval.every={1 if method == 'flow_grpo' else 0}", "checkpoint_every=0", "reward.name=per_frame",
-        "reward.kwargs={reward: test_sees_the_input}", "reward.weights={closeness: 1.0}", *METHODS[method]]))
+        "reward.kwargs={reward: test_sees_the_input}", "reward.weights={closeness: 1.0}", *FLOW_METHODS[method]]))
     initial = [p.detach().clone() for p in trainer.params]
     trainer.train()
     stats = trainer.history[0]
@@ -301,7 +290,8 @@ def test_wan_i2v_trains_with_every_objective(wan_world, tmp_path, method):
     assert any((p.detach() - p0).abs().max() > 0 for p, p0 in zip(trainer.params, initial))
     assert SEEN and all(image == str(wan_world / "scene.png") for batch in SEEN for image in batch)
     if method == "flow_grpo":  # the grid: the input frame, then the video's contact sheet
-        assert Image.open(tmp_path / "grids" / "before.png").width > Image.open(tmp_path / "grids" / "before.png").height
+        grid = Image.open(tmp_path / "grids" / "before.png")
+        assert grid.width > grid.height
 
 
 # --------------------------------------------------------------------------- Qwen-Image-Edit
@@ -368,8 +358,20 @@ def test_qwen_image_edit_reproduces_the_pipeline_trains_and_its_lora_loads(world
         "train.noise_draws=2", "train.learning_rate=1e-2", f"data.train_prompts={prompts}",
         f"data.eval_prompts={prompts}", "eval.seeds=1", "eval.grid_prompts=2", "eval.grid_seeds=1", "eval.every=0",
         "checkpoint_every=0", "reward.name=test_sees_the_input", "reward.weights={closeness: 1.0}",
-        *METHODS["flow_grpo"]]))
+        *FLOW_METHODS["flow_grpo"]]))
     trainer.train()
     stats = trainer.history[0]
     assert stats["train/ratio"] == pytest.approx(1.0, abs=1e-6) and stats["train/grad_norm"] > 0
     assert SEEN and all(image in {r["image"] for r in records} for batch in SEEN for image in batch)
+
+
+def test_flowalign_eval_conditions_on_the_records_images(world, tmp_path):
+    from flowalign.evaluation import Policy, evaluate
+
+    SEEN.clear()
+    summary = evaluate([Policy("base", None)], _records(world), {"seen": build_reward("test_sees_the_input")},
+                       tmp_path / "eval", model=str(world / "model"), family="flux_kontext", seeds=[0, 1], steps=STEPS,
+                       guidance=GUIDANCE, loading={"height": SIZE, "width": SIZE,
+                                                   "options": {"max_sequence_length": TOKENS}})
+    assert SEEN and all(image in {r["image"] for r in _records(world)} for batch in SEEN for image in batch)
+    assert summary

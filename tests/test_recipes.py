@@ -88,7 +88,7 @@ def _variant(tmp_path, recipe: str, edit) -> str:
     ("sd15_ddpo_aesthetic.yaml", lambda t: t.update(method="flow_grpo"), ["method 'flow_grpo' does not apply"]),
     ("wan21_t2v_flow_grpo_temporal.yaml", lambda t: t["reward"].update(name="pickscore", weights={"pickscore": 1}),
      ["scores images", "per_frame"]),
-    ("sd35m_flow_grpo_pickscore.yaml", lambda t: t["model"].update(attention="flash"),
+    ("sd35m_flow_grpo_pickscore.yaml", lambda t: t["model"].update(attention="flash-attn"),
      ["model.attention must be one of"]),
     ("sd35m_flow_grpo_pickscore.yaml", lambda t: t["model"].update(family="sd4"), ["unknown model family 'sd4'"]),
     ("chess_ddpo.yaml", lambda t: t["model"].update(gradient_checkpointing=True), ["model.gradient_checkpointing"]),

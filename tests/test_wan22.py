@@ -8,7 +8,8 @@ import math
 
 import pytest
 import torch
-from adapter_checks import reference_predictions, rescored_gradients
+from adapter_checks import (FLOW_METHODS, assert_on_policy_at_init, assert_trained, reference_predictions,
+                            rescored_gradients, train_once)
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
 from flowalign.config import load_config
@@ -57,8 +58,8 @@ def _pipeline_latents(pipe, seed, guidance, guidance_2=None):
 def _rollout(adapter, guidance, seed, eta=0.0):
     generator = torch.Generator().manual_seed(seed)
     noise = adapter.initial_noise(len(PROMPTS), generator)
-    return rollout(adapter, adapter.encode(PROMPTS), noise, adapter.schedule(STEPS), plan_steps(STEPS, len(PROMPTS), eta),
-                   guidance_scale=guidance, generator=generator)
+    return rollout(adapter, adapter.encode(PROMPTS), noise, adapter.schedule(STEPS),
+                   plan_steps(STEPS, len(PROMPTS), eta), guidance_scale=guidance, generator=generator)
 
 
 def _perturb(model, std=0.3):
@@ -169,14 +170,6 @@ def test_ti2v_decodes_as_the_pipeline(folders):
     assert (decoded - expected).abs().max().item() <= 1e-5
 
 
-METHODS = {
-    "flow_grpo": ["method=flow_grpo", "sampling.sde=flow_grpo", "train.kl_beta=0.1"],
-    "cps": ["method=flow_grpo", "sampling.sde=cps", "train.kl_beta=0.1"],
-    "dance_grpo": ["method=dance_grpo", "sampling.sde=dance_grpo"],
-    "diffusion_nft": ["method=diffusion_nft", "train.kl_beta=0.1"],
-}
-
-
 def _config(folders, out, layout, *overrides):
     return load_config(None, [
         f"output_dir={out}", "model.family=wan", f"model.path={folders / layout}", "model.lora_rank=4",
@@ -189,20 +182,14 @@ def _config(folders, out, layout, *overrides):
         "reward.weights={temporal_consistency: 1.0}", *overrides])
 
 
-RUNS = [(layout, method) for layout in ("a14b", "ti2v") for method in METHODS]
+RUNS = [(layout, method) for layout in ("a14b", "ti2v") for method in FLOW_METHODS]
 
 
 @pytest.mark.parametrize("layout, method", RUNS, ids=["-".join(r) for r in RUNS])
 def test_each_objective_trains_on_policy(folders, tmp_path, layout, method):
-    trainer = Trainer(_config(folders, tmp_path, layout, *METHODS[method]))
-    initial = [p.detach().clone() for p in trainer.params]
-    trainer.train()
-    stats = trainer.history[0]
-    assert math.isfinite(stats["train/policy_loss"]) and stats["train/grad_norm"] > 0 and stats["train/kl"] == 0.0
-    if method != "diffusion_nft":
-        assert stats["train/ratio"] == pytest.approx(1.0, abs=1e-6)
-    assert any((p.detach() - p0).abs().max() > 0 for p, p0 in zip(trainer.params, initial))
-    assert (trainer.out / "final" / "pytorch_lora_weights.safetensors").is_file()
+    trainer, initial = train_once(_config(folders, tmp_path, layout, *FLOW_METHODS[method]))
+    assert_trained(trainer, initial)
+    assert_on_policy_at_init(trainer.history[0], method)
     if layout == "a14b":
         assert (trainer.out / "final" / "transformer_2_lora" / "pytorch_lora_weights.safetensors").is_file()
 
@@ -210,7 +197,7 @@ def test_each_objective_trains_on_policy(folders, tmp_path, layout, method):
 @pytest.mark.parametrize("window_start, trained", [(0, "high."), (STEPS - 2, "low.")])
 def test_the_trainer_trains_only_the_expert_of_the_trained_steps(folders, tmp_path, window_start, trained):
     # one trained step (a window of 1): step 0 is high-noise, step S − 2 low-noise (t = 861 < 875)
-    trainer = Trainer(_config(folders, tmp_path, "a14b", *METHODS["flow_grpo"], "train.kl_beta=0.0",
+    trainer = Trainer(_config(folders, tmp_path, "a14b", *FLOW_METHODS["flow_grpo"], "train.kl_beta=0.0",
                               "sampling.step_mode=window", "sampling.window_size=1",
                               f"sampling.window_start={window_start}", "train.weight_decay=0.0"))
     names = [n for n, p in trainer.adapter.model.named_parameters() if p.requires_grad]

@@ -6,27 +6,20 @@ import math
 
 import pytest
 import torch
+from adapter_checks import FLOW_METHODS, assert_on_policy_at_init, assert_trained, train_once
 from test_zoo_adapters import VARIANTS
 
 from flowalign.config import load_config
 from flowalign.offline import generate_groups
 from flowalign.rollout import rollout
 from flowalign.samplers.steps import plan_steps
-from flowalign.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits (conftest)
 
 PROMPTS = ["a photo of a red circle", "a photo of two blue squares"]
 STEPS = 3
-# every objective a flow model trains with: Flow-GRPO with each of the three SDE steps, DiffusionNFT
-METHODS = {
-    "flow_grpo": ["method=flow_grpo", "sampling.sde=flow_grpo", "train.kl_beta=0.1"],
-    "cps": ["method=flow_grpo", "sampling.sde=cps", "train.kl_beta=0.1"],
-    "dance_grpo": ["method=dance_grpo", "sampling.sde=dance_grpo"],  # no reference model: KL 0 by definition
-    "diffusion_nft": ["method=diffusion_nft", "train.kl_beta=0.1"],
-}
 JPEG = ["reward.name=jpeg_compressibility", "reward.weights={jpeg_compressibility: 1.0}"]
-RUNS = [(family, method) for family in sorted(VARIANTS) for method in METHODS]
+RUNS = [(family, method) for family in sorted(VARIANTS) for method in FLOW_METHODS]
 
 
 @pytest.fixture(scope="module")
@@ -54,34 +47,12 @@ def run_config(folders, out, name, *overrides):
         *JPEG, *overrides])
 
 
-def _train(config) -> tuple[Trainer, list[torch.Tensor]]:
-    trainer = Trainer(config)
-    initial = [p.detach().clone() for p in trainer.params]
-    trainer.train()
-    return trainer, initial
-
-
-def _assert_trained(trainer, initial):
-    stats = trainer.history[0]
-    assert math.isfinite(stats["train/policy_loss"]) and stats["train/skipped_nonfinite"] == 0
-    assert stats["train/grad_norm"] > 0
-    assert any((p.detach() - p0).abs().max() > 0 for p, p0 in zip(trainer.params, initial))
-    assert all(torch.isfinite(p).all() for p in trainer.params)
-    assert (trainer.out / "final" / "pytorch_lora_weights.safetensors").is_file()
-
-
 @pytest.mark.parametrize("name, method", RUNS, ids=["-".join(r) for r in RUNS])
 def test_each_objective_trains_on_policy_with_zero_kl_at_init(folders, tmp_path, name, method):
-    trainer, initial = _train(run_config(folders, tmp_path, name, *METHODS[method]))
-    _assert_trained(trainer, initial)
+    trainer, initial = train_once(run_config(folders, tmp_path, name, *FLOW_METHODS[method]))
+    assert_trained(trainer, initial)
     stats = trainer.history[0]
-    assert stats["train/kl"] == 0.0  # a fresh LoRA is the identity: policy = reference
-    if method == "diffusion_nft":  # the old policy samples and anchors; at init it is the current one
-        assert stats["train/old_decay"] == 0.0 and stats["train/nft_positive"] == pytest.approx(
-            stats["train/nft_negative"], rel=1e-6)
-    else:  # one minibatch, rescored by the weights that sampled it
-        assert stats["train/ratio"] == pytest.approx(1.0, abs=1e-6)
-        assert stats["train/approx_kl"] < 1e-12 and stats["train/clipfrac"] == 0.0
+    assert_on_policy_at_init(stats, method)
     assert math.isfinite(stats["reward/jpeg_compressibility"]) and stats["reward/std"] > 0
 
 
@@ -89,22 +60,23 @@ def test_each_objective_trains_on_policy_with_zero_kl_at_init(folders, tmp_path,
 def test_gdro_trains_on_pregenerated_groups(folders, tmp_path, name):
     gdro = ["method=gdro", "sampling.eta=0.0", f"data.offline_groups={tmp_path / 'groups'}"]
     generate_groups(run_config(folders, tmp_path / "gen", name, *gdro), 2)
-    trainer, initial = _train(run_config(folders, tmp_path / "run", name, *gdro))
-    _assert_trained(trainer, initial)
+    trainer, initial = train_once(run_config(folders, tmp_path / "run", name, *gdro))
+    assert_trained(trainer, initial)
     assert trainer.history[0]["train/gdro_score_gap"] == 0.0  # policy = reference: every implicit reward is 0
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_trained_lora_is_saved_in_diffusers_format(folders, tmp_path, name):
     variant = VARIANTS[name]
-    trainer, initial = _train(run_config(folders, tmp_path, name, *METHODS["flow_grpo"]))
-    _assert_trained(trainer, initial)
+    trainer, initial = train_once(run_config(folders, tmp_path, name, *FLOW_METHODS["flow_grpo"]))
+    assert_trained(trainer, initial)
     adapter, guidance = trainer.adapter, variant.guidance
     pipe = type(adapter.pipe).from_pretrained(folders / name)
     pipe.set_progress_bar_config(disable=True)
     pipe.load_lora_weights(tmp_path / "final")
     expected = pipe(prompt=list(PROMPTS), num_inference_steps=STEPS, output_type="latent",
-                    generator=torch.Generator().manual_seed(7), **variant.adapter_kwargs, **variant.sizes, **variant.guided(guidance)).images
+                    generator=torch.Generator().manual_seed(7), **variant.adapter_kwargs, **variant.sizes,
+                    **variant.guided(guidance)).images
 
     def samples(noise):
         x = rollout(adapter, adapter.encode(PROMPTS), noise, adapter.schedule(STEPS), plan_steps(STEPS, 2, 0.0),
