@@ -23,7 +23,8 @@ HUB_IDS = {"sd35m_flow_grpo_geneval.yaml": "stabilityai/stable-diffusion-3.5-med
            "z_image_turbo_flow_grpo_fast_pickscore.yaml": "Tongyi-MAI/Z-Image-Turbo",
            "wan22_a14b_t2v_flow_grpo_temporal.yaml": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
            "flux_kontext_flow_grpo_counting_edit.yaml": "black-forest-labs/FLUX.1-Kontext-dev",
-           "qwen_image_edit_flow_grpo_counting_edit.yaml": "Qwen/Qwen-Image-Edit"}
+           "qwen_image_edit_flow_grpo_counting_edit.yaml": "Qwen/Qwen-Image-Edit",
+           "wan21_i2v_flow_grpo_temporal.yaml": "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"}
 
 
 @pytest.fixture
