@@ -19,6 +19,8 @@ from typing import Any, Optional
 
 import yaml
 
+from pipelines.attention import BACKENDS as ATTENTION_BACKENDS
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key and where it came from."""
@@ -35,8 +37,9 @@ class ModelConfig:
     # recompute each transformer block's activations in the backward pass (diffusers'
     # enable_gradient_checkpointing): less memory, more time (docs/memory.md measures both)
     gradient_checkpointing: bool = False
-    # auto: xformers when it imports and the model is on CUDA, else PyTorch SDPA; sdpa; xformers (falls back
-    # to sdpa with a one-line message where it cannot run). pipelines/attention.py
+    # auto: xformers when it imports and the model is on CUDA, else PyTorch SDPA; sdpa; xformers; or a backend
+    # of diffusers' attention dispatcher (flash, sage, _native_cudnn, ...; families whose attention goes through
+    # it). One that cannot run falls back to sdpa with a one-line message. pipelines/attention.py
     attention: str = "auto"
     height: Optional[int] = None  # pixels; None: the pipeline's default size
     width: Optional[int] = None
@@ -240,7 +243,7 @@ class RunConfig:
 
 CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
-    "model.attention": ("auto", "sdpa", "xformers"),
+    "model.attention": ATTENTION_BACKENDS,
     "sampling.step_mode": ("all", "fraction", "window"),
     "sampling.sde": ("flow_grpo", "cps", "dance_grpo"),
     "explore.mode": ("none", "shape", "magnitude", "both"),

@@ -108,16 +108,18 @@ def sample_images(adapter, prompts: list[str], seeds: list[int], steps: int, gui
 
 
 @torch.no_grad()
-def sample_pairs(adapter, pairs: list[tuple[str, int]], steps: int, guidance: float,
+def sample_pairs(adapter, pairs: list[tuple[str | dict, int]], steps: int, guidance: float,
                  batch_size: int = 16) -> torch.Tensor:
-    """One ODE sample per (prompt, seed): images float [len(pairs), 3, H, W] in [0, 1]."""
+    """One ODE sample per (prompt, seed): images float [len(pairs), 3, H, W] in [0, 1]. A prompt may
+    be a prompt record (a dict; its "image" conditions an image-conditioned family)."""
     from flowalign.rollout import rollout
     from flowalign.samplers.steps import plan_steps
+    from pipelines.base import encode_records
 
     out = []
     for lo in range(0, len(pairs), batch_size):
         chunk = pairs[lo:lo + batch_size]
-        cond = adapter.encode([p for p, _ in chunk])
+        cond = encode_records(adapter.encode, [p if isinstance(p, dict) else {"prompt": p} for p, _ in chunk])
         noise = torch.cat([adapter.initial_noise(1, torch.Generator().manual_seed(s)) for _, s in chunk])
         traj = rollout(adapter, cond, noise, adapter.schedule(steps), plan_steps(steps, len(chunk), 0.0),
                        guidance_scale=guidance)
@@ -156,7 +158,7 @@ def evaluate(policies: list[Policy], records: list[dict], rewards: dict, out_dir
             adapter = load_policy(policy, model, family, **(loading or {}))
             for lo in range(0, len(mine), batch_size):
                 chunk = mine[lo:lo + batch_size]
-                images = sample_pairs(adapter, [(records[i]["prompt"], s) for i, s in chunk], steps, guidance)
+                images = sample_pairs(adapter, [(records[i], s) for i, s in chunk], steps, guidance)
                 subset = [records[i] for i, _ in chunk]
                 scores = {}
                 for name, reward in rewards.items():

@@ -248,7 +248,8 @@ def _model_lines(config: RunConfig, cls, warnings: list[str]) -> list[tuple[str,
     device = "cuda" if torch.cuda.is_available() else "cpu"
     backend, message = resolve_attention(m.attention, device, getattr(cls, "supports_xformers", True))
     supported = getattr(cls, "supports_xformers", True)
-    why = f": {xformers_unavailable(device, supported)}" if backend == "sdpa" and m.attention != "sdpa" else ""
+    why = f": {xformers_unavailable(device, supported)}" if backend == "sdpa" and m.attention in ("auto", "xformers") \
+        else ": see the warning below" if message else ""
     lines.append(("attention", f"{m.attention} → {backend} on this machine ({device}{why})"))
     if message:
         warnings.append(message.removeprefix("flowalign: "))

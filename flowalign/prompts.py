@@ -1,8 +1,12 @@
 """Prompt sources: the built-in shapes world or a prompt file. A prompt is a dict with at least
-``"prompt"``; GenEval-style records also carry ``"tag"`` and ``"include"`` for verifiers."""
+``"prompt"``; GenEval-style records also carry ``"tag"`` and ``"include"`` for verifiers; an
+image-conditioned task's records carry ``"image"``, the conditioning image's path (relative paths
+are resolved against the prompt file's folder), which the adapter encodes with the prompt and the
+rewards receive in their metadata."""
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -11,8 +15,9 @@ def load_prompts(source: str) -> list[dict]:
     """``"shapes:train"`` / ``"shapes:test"`` / ``"shapes:all"``, ``"chess:train"`` /
     ``"chess:test"`` (theme requests, ``flowalign.chess.requests``; ``chess:<split>:<model folder>``
     for another model's split), ``"av:train"`` / ``"av:test"`` / ``"av:all"`` (the audio-video
-    world, ``flowalign.worlds.audio_video``), a ``.txt`` file (one prompt per line) or a ``.jsonl`` file (one
-    record per line with a "prompt" key)."""
+    world, ``flowalign.worlds.audio_video``), a ``.txt`` file (one prompt per line), a ``.jsonl`` file (one
+    record per line with a "prompt" key) or a ``.csv`` file (a header row naming a "prompt" column;
+    every column becomes a key of the record)."""
     if source.startswith("shapes:"):
         from flowalign.worlds.shapes import prompt_split
 
@@ -41,8 +46,29 @@ def load_prompts(source: str) -> list[dict]:
             if not isinstance(record, dict) or "prompt" not in record:
                 raise ValueError(f"{path}: line {number} has no \"prompt\" key")
             records.append(record)
-        return records
+        return [_resolve_image(r, path) for r in records]
+    if path.suffix == ".csv":
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            if reader.fieldnames and "prompt" not in reader.fieldnames:
+                raise ValueError(f"{path}: the first line must be a header naming a \"prompt\" column "
+                                 f"(and optionally \"image\", \"tag\", ...), got {reader.fieldnames}")
+            records = list(reader)
+        bad = [i + 2 for i, r in enumerate(records) if not r.get("prompt")]  # line 1 is the header
+        if bad:
+            raise ValueError(f"{path}: line {bad[0]} has no \"prompt\" value")
+        return [_resolve_image(r, path) for r in records]
     if path.suffix == ".txt":
         return [{"prompt": line.strip()} for line in path.read_text().splitlines() if line.strip()]
-    raise ValueError(f"{path}: prompt files must be .txt (one prompt a line) or .jsonl (one record a line), "
-                     f"got {path.suffix or 'no extension'}")
+    raise ValueError(f"{path}: prompt files must be .txt (one prompt a line), .jsonl (one record a line) or .csv "
+                     f"(a header with a prompt column), got {path.suffix or 'no extension'}")
+
+
+def _resolve_image(record: dict, prompt_file: Path) -> dict:
+    """A record's "image" as an absolute path (relative to the prompt file's folder); it must exist."""
+    if not record.get("image"):
+        return record
+    image = (prompt_file.parent / Path(record["image"]).expanduser()).resolve()
+    if not image.is_file():
+        raise FileNotFoundError(f"{prompt_file}: conditioning image of {record['prompt']!r} not found: tried {image}")
+    return {**record, "image": str(image)}

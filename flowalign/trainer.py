@@ -52,7 +52,7 @@ from flowalign.advantages import PerPromptStatTracker, combine_rewards, extremes
 from flowalign.config import ConfigError, RunConfig, to_dict
 from flowalign.evaluation import paired_change
 from flowalign.faults import NanEpochStreak, RewardGuard, finite_json
-from flowalign.grids import as_image_cells, load_grids, save_grid, side_by_side, to_pil_grid
+from flowalign.grids import as_image_cells, load_grids, save_grid, side_by_side, to_pil_grid, with_inputs
 from flowalign.integrity import folder_sha256, sha256_mismatch
 from flowalign.objectives.av_routing import (RewardRouter, branch_advantages, branch_contrasts, interaction_gram,
                                              layer_gradient_scales, routed_nft_loss, token_weights)
@@ -66,7 +66,7 @@ from flowalign.samplers.unmasking import MaskedTrajectory
 from flowalign.samplers.steps import StepPlan, plan_steps, sliding_window_start
 from flowalign.preflight import check_method_family, validate
 from pipelines import adapter_class, load_adapter
-from pipelines.base import PromptEmbeddingCache
+from pipelines.base import PromptEmbeddingCache, encode_records
 from pipelines.joint import BRANCHES
 from reward_models.base import build_reward
 
@@ -552,7 +552,7 @@ class Trainer:
         index = torch.tensor(picks)
         samples = data["samples"][index].flatten(0, 1).to(device)  # [groups·k, ...]
         components = {name: values[index].flatten() for name, values in data["components"].items()}
-        cond = self.encode([data["specs"][g]["prompt"] for g in picks]).repeat_interleave(k)
+        cond = encode_records(self.encode, [data["specs"][g] for g in picks]).repeat_interleave(k)
         traj = Trajectory(samples[:, None], torch.zeros(len(samples), 0, device=device),
                           torch.zeros(len(samples), 0, dtype=torch.bool, device=device), torch.zeros(0),
                           schedule.sigmas, schedule.timesteps, cond)
@@ -566,7 +566,7 @@ class Trainer:
         # group_id (unique over all shards) tells group-level rewards (Pref-GRPO win rates) which samples compete
         specs = [{**self.train_specs[i], "group_id": shard * groups + k} for k, i in enumerate(picks)
                  for _ in range(t.group_size)]
-        cond = self.encode([self.train_specs[i]["prompt"] for i in picks]).repeat_interleave(t.group_size)
+        cond = encode_records(self.encode, [self.train_specs[i] for i in picks]).repeat_interleave(t.group_size)
         noise = group_noise(self.adapter, groups, t.group_size, streams["noise"], s.shared_group_noise)
         return specs, cond, noise
 
@@ -1033,7 +1033,7 @@ class Trainer:
         if self.discrete:
             for lo in range(0, len(specs), e.batch_size):
                 sub = specs[lo:lo + e.batch_size]
-                latents.append(self._masked_rollout(self.encode([p["prompt"] for p in sub]), generator).samples)
+                latents.append(self._masked_rollout(encode_records(self.encode, sub), generator).samples)
             return torch.cat(latents)
         noise = self.adapter.initial_noise(len(specs), generator)
         steps = e.num_steps or s.num_steps
@@ -1041,7 +1041,7 @@ class Trainer:
         for lo in range(0, len(specs), e.batch_size):
             sub = specs[lo:lo + e.batch_size]
             plan = plan_steps(steps, len(sub), 0.0)
-            traj = rollout(self.adapter, self.encode([p["prompt"] for p in sub]), noise[lo:lo + len(sub)],
+            traj = rollout(self.adapter, encode_records(self.encode, sub), noise[lo:lo + len(sub)],
                            schedule, plan, guidance_scale=s.guidance_scale)
             latents.append(traj.samples)
         return torch.cat(latents)
@@ -1053,6 +1053,9 @@ class Trainer:
         rows = [round(i * (len(self.eval_specs) - 1) / max(n_prompts - 1, 1)) for i in range(n_prompts)]
         idx = [r * e.seeds + c for r in rows for c in range(n_seeds)]
         images = as_image_cells(self.adapter.decode(latents[idx]))  # boards (FEN strings) are drawn
+        if self.eval_specs[rows[0]].get("image"):  # an image-conditioned task: its input in the first column
+            images = with_inputs(images, [self.eval_specs[r]["image"] for r in rows], n_seeds)
+            n_seeds += 1
         grid = to_pil_grid(images, n_prompts, n_seeds)
         self._grids = getattr(self, "_grids", {})
         self._grids[label] = grid

@@ -17,6 +17,12 @@ FAMILIES = {"sd3": "pipelines.sd3:SD3Adapter", "sd": "pipelines.sd:SDAdapter", "
 FAMILIES["chess"] = "pipelines.chess:ChessAdapter"  # masked discrete diffusion (prediction "logits")
 FAMILIES["ltx2"] = "pipelines.ltx2:LTX2Adapter"  # joint audio-video latents (pipelines/joint.py)
 FAMILIES["av_demo"] = "pipelines.av_demo:AVDemoAdapter"  # the built-in joint audio-video demo model
+FAMILIES["qwen_image"] = "pipelines.qwen_image:QwenImageAdapter"
+FAMILIES["flux2"] = "pipelines.flux2:Flux2KleinAdapter"  # FLUX.2 klein (base and step-distilled)
+FAMILIES["z_image"] = "pipelines.z_image:ZImageAdapter"  # Z-Image and Z-Image-Turbo
+FAMILIES["flux_kontext"] = "pipelines.flux_kontext:FluxKontextAdapter"  # image-conditioned (editing)
+FAMILIES["qwen_image_edit"] = "pipelines.qwen_image_edit:QwenImageEditAdapter"  # image-conditioned (editing)
+FAMILIES["wan_i2v"] = "pipelines.wan_i2v:WanImageToVideoAdapter"  # image-conditioned (image-to-video)
 
 # constructor arguments that have their own setting (model.height, ...) or that the loader sets
 LOADER_ARGUMENTS = ("self", "pipe", "device", "height", "width", "num_frames")
@@ -122,11 +128,11 @@ def load_adapter(family: str, path: str, *, dtype: str = "float32", device="cpu"
     or a hub id), ``trained`` weights fused in when given (a ``save_trained`` folder).
 
     ``options``: ``model.kwargs``, checked against ``adapter_options(family)`` before any weight
-    loads. ``attention``: auto | sdpa | xformers (``pipelines.attention``), applied to the
+    loads. ``attention``: auto | sdpa | xformers | a backend of diffusers' dispatcher (``pipelines.attention``), applied to the
     pipeline's diffusers models before any LoRA or frozen reference copy is made, so those share it.
     ``height``, ``width``, ``num_frames``: passed only when set (families without a size refuse them).
     """
-    from pipelines.attention import announce, resolve_attention
+    from pipelines.attention import announce, resolve_attention, set_dispatcher_backend
 
     cls = adapter_class(family)
     options = dict(options or {})
@@ -136,6 +142,9 @@ def load_adapter(family: str, path: str, *, dtype: str = "float32", device="cpu"
     switches = {name: options.pop(name) for name in LOAD_OPTIONS if name in options}
     sizes = {k: v for k, v in (("height", height), ("width", width), ("num_frames", num_frames)) if v is not None}
     adapter = cls.from_pretrained(path, dtype=dtype, device=device, trained=trained, **sizes, **options)
+    if backend not in ("sdpa", "xformers"):  # a backend of diffusers' attention dispatcher
+        message = set_dispatcher_backend(adapter.denoisers().values(), backend)
+        backend = "sdpa" if message else backend
     announce(message)
     if backend == "xformers":
         adapter.enable_xformers()

@@ -65,6 +65,35 @@ class Schedule:
         return len(self.timesteps)
 
 
+def load_condition_image(image, height: int, width: int):
+    """A conditioning image (a path, or a PIL image) as an RGB PIL image of height × width (resized
+    when its size differs, bicubic): what an image-conditioned adapter encodes."""
+    from PIL import Image
+
+    image = Image.open(image) if isinstance(image, (str, Path)) else image
+    image = image.convert("RGB")
+    return image if image.size == (width, height) else image.resize((width, height), Image.BICUBIC)
+
+
+def encode_records(encode, records: list[dict]) -> Conditioning:
+    """The conditioning of prompt records: ``encode(prompts)``, or ``encode(prompts, images=paths)``
+    when the records carry a conditioning image ("image"; ``flowalign.prompts``). ``encode`` is an
+    adapter's ``encode`` or a ``PromptEmbeddingCache``."""
+    prompts = [r["prompt"] for r in records]
+    images = [r.get("image") for r in records]
+    if all(i is None for i in images):
+        return encode(prompts)
+    if any(i is None for i in images):
+        raise ValueError("some prompt records carry a conditioning image and some do not: "
+                         f"{prompts[images.index(None)]!r} has none")
+    adapter = getattr(encode, "adapter", getattr(encode, "__self__", None))
+    if not getattr(adapter, "conditioning_image", False):
+        raise ValueError(f"the prompt records carry conditioning images, but model family "
+                         f"{getattr(adapter, 'family', '?')!r} takes none (image-conditioned families: "
+                         "flux_kontext, ...)")
+    return encode(prompts, images=images)
+
+
 class Adapter(Protocol):
     """One model family. ``prediction`` is "velocity" (flow matching), "epsilon" or "logits".
     ``modality`` (optional class attribute, "image" when absent): "video" for a family whose
@@ -77,7 +106,7 @@ class Adapter(Protocol):
 
     prediction: str
 
-    def encode(self, prompts: list[str]) -> Conditioning: ...
+    def encode(self, prompts: list[str]) -> Conditioning: ...  # image-conditioned families: (prompts, images=)
 
     def initial_noise(self, batch: int, generator: torch.Generator) -> torch.Tensor: ...
 
@@ -181,7 +210,7 @@ class PromptEmbeddingCache:
         if size < 1:
             raise ValueError(f"a prompt cache needs size ≥ 1, got {size}")
         self.adapter, self.size, self.offload = adapter, size, offload
-        self.entries: collections.OrderedDict[str, Conditioning] = collections.OrderedDict()
+        self.entries: collections.OrderedDict[str | tuple[str, str], Conditioning] = collections.OrderedDict()
         pipe = getattr(adapter, "pipe", None)
         self.encoders = [m for name, m in (pipe.components.items() if pipe is not None else ())
                          if name.startswith("text_encoder") and isinstance(m, nn.Module)]
@@ -189,17 +218,21 @@ class PromptEmbeddingCache:
             for m in self.encoders:
                 m.to("cpu")
 
-    def __call__(self, prompts: list[str]) -> Conditioning:
-        new = list(dict.fromkeys(p for p in prompts if p not in self.entries))
+    def __call__(self, prompts: list[str], images: list | None = None) -> Conditioning:
+        """``images``: the conditioning images (paths) of an image-conditioned adapter; an entry is
+        then one (prompt, image) pair."""
+        keys = list(prompts) if images is None else list(zip(prompts, images))
+        new = list(dict.fromkeys(k for k in keys if k not in self.entries))
         fresh = {}
         if new:
             with self._encoders_on_device():  # one at a time: a prompt's entry does not depend on its batch
-                fresh = {prompt: self.adapter.encode([prompt]) for prompt in new}
-        out = Conditioning.cat([fresh[p] if p in fresh else self.entries[p] for p in prompts])
-        for prompt in dict.fromkeys(prompts):  # most recently used last
-            if prompt in fresh:
-                self.entries[prompt] = fresh[prompt]
-            self.entries.move_to_end(prompt)
+                fresh = {k: self.adapter.encode([k]) if images is None else self.adapter.encode([k[0]], images=[k[1]])
+                         for k in new}
+        out = Conditioning.cat([fresh[k] if k in fresh else self.entries[k] for k in keys])
+        for key in dict.fromkeys(keys):  # most recently used last
+            if key in fresh:
+                self.entries[key] = fresh[key]
+            self.entries.move_to_end(key)
         while len(self.entries) > self.size:
             self.entries.popitem(last=False)
         return out

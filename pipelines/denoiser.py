@@ -15,6 +15,7 @@ import contextlib
 import copy
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -33,17 +34,52 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_trained_weights(pipe, trained: str | Path, model_folder: str, dtype: torch.dtype) -> None:
+def pad_tokens(embeds: torch.Tensor, mask: torch.Tensor | None, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Text hidden states [B, L, D] and their mask [B, L] (None: all tokens real) → both zero-padded
+    (or cut) to ``length`` tokens: what a ``Conditioning`` holds for a family whose pipeline feeds
+    its transformer a variable number of text tokens, so that prompts encoded one by one concatenate."""
+    if mask is None:
+        mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+    embeds, mask = embeds[:, :length], mask[:, :length].long()
+    pad = length - embeds.shape[1]
+    return torch.nn.functional.pad(embeds, (0, 0, 0, pad)), torch.nn.functional.pad(mask, (0, pad))
+
+
+def trim_tokens(embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``pad_tokens``' output [B, length, D], [B, length] → cut to the batch's longest prompt, as the
+    pipeline pads a batch; the mask is None when every token is real (the pipeline then passes none)."""
+    longest = int(mask.sum(dim=1).max())
+    embeds, mask = embeds[:, :longest], mask[:, :longest]
+    return embeds, (None if bool(mask.all()) else mask)
+
+
+def mean_std_latents(x0: torch.Tensor, config) -> torch.Tensor:
+    """x0 [B, C, F, h, w] · latents_std + latents_mean per channel, written as the Wan and Qwen-Image
+    pipelines write it (x / (1 / std) + mean): what their VAE decodes."""
+    shape = (1, config.z_dim, 1, 1, 1)
+    mean = torch.tensor(config.latents_mean).view(shape).to(x0)
+    inverse_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(x0)
+    return x0 / inverse_std + mean
+
+
+def load_trained_weights(pipe, trained: str | Path, model_folder: str, dtype: torch.dtype,
+                         extra_folders: tuple[str, ...] = ()) -> None:
     """Put a ``save_trained`` folder's weights into ``pipe`` as plain diffusers would: LoRA weights
     fused in, or the fully fine-tuned ``<model_folder>/`` replacing the denoiser. A pipeline without
-    diffusers' LoRA loader (the chess and av_demo ones) loads the LoRA into its model directly."""
+    diffusers' LoRA loader (the chess and av_demo ones) loads the LoRA into its model directly.
+    ``extra_folders``: further denoisers (Wan 2.2's ``transformer_2``), whose LoRA is in
+    ``<name>_lora/`` and loads with the pipeline's ``load_lora_weights(..., load_into_<name>=True)``."""
     trained = Path(trained)
     model = getattr(pipe, model_folder)
     if (trained / model_folder).is_dir():
-        pipe.register_modules(**{model_folder: type(model).from_pretrained(trained / model_folder, torch_dtype=dtype)})
+        for name in (model_folder, *extra_folders):
+            module = getattr(pipe, name)
+            pipe.register_modules(**{name: type(module).from_pretrained(trained / name, torch_dtype=dtype)})
     elif (trained / LORA_WEIGHTS_NAME).is_file() and hasattr(pipe, "load_lora_weights"):
         pipe.load_lora_weights(trained)
-        pipe.fuse_lora()
+        for name in extra_folders:
+            pipe.load_lora_weights(trained / f"{name}_lora", **{f"load_into_{name}": True})
+        pipe.fuse_lora(**({"components": [model_folder, *extra_folders]} if extra_folders else {}))
         pipe.unload_lora_weights()
     elif (trained / LORA_WEIGHTS_NAME).is_file():
         model.load_lora_adapter(trained, prefix=None, weight_name=LORA_WEIGHTS_NAME)
@@ -65,6 +101,7 @@ class DenoiserAdapter:
     pipeline_class: type
     model_folder: str
     lora_targets: tuple[str, ...]
+    negative_prompt: str = ""  # CFG's negative branch (families with a ``negative_prompt`` option set their own)
 
     def __init__(self, pipe, *, device: str | torch.device = "cpu", height: int | None = None,
                  width: int | None = None):
@@ -101,15 +138,32 @@ class DenoiserAdapter:
 
         pipe = load_with_hub_fallback(load, name_or_path)
         if trained is not None:
-            load_trained_weights(pipe, trained, cls.model_folder, dtype_)
+            load_trained_weights(pipe, trained, cls.model_folder, dtype_, cls.extra_folders(pipe))
         return cls(pipe, device=device, **kwargs)
+
+    @classmethod
+    def extra_folders(cls, pipe) -> tuple[str, ...]:
+        """The pipeline attributes of denoisers besides ``model_folder`` (Wan 2.2's ``transformer_2``)."""
+        return ()
+
+    def denoisers(self) -> dict[str, nn.Module]:
+        """Every denoiser by its pipeline attribute, ``model_folder``'s first: what LoRA, the reference
+        policy, gradient checkpointing and saving act on (one, unless ``extra_folders`` names more)."""
+        return {self.model_folder: self.model}
 
     # -- sampling ------------------------------------------------------------------------
     def default_size(self) -> tuple[int, int]:
-        """(height, width) in pixels when none is given: the denoiser's sample size, as the pipeline's default."""
-        size = self.model.config.sample_size
+        """(height, width) in pixels when none is given, as the pipeline's default: its
+        ``default_sample_size`` (FLUX, Qwen-Image, FLUX.2, SD3, SDXL) or else the denoiser's sample
+        size, times the VAE's compression."""
+        size = getattr(self.pipe, "default_sample_size", None) or self.model.config.sample_size
         size_h, size_w = (size, size) if isinstance(size, int) else size
         return size_h * self.pipe.vae_scale_factor, size_w * self.pipe.vae_scale_factor
+
+    def check_size(self, multiple: int, why: str) -> None:
+        """Refuse a height or width that is not a multiple of ``multiple`` (``why``: the pipeline's reason)."""
+        if self.height % multiple or self.width % multiple:
+            raise ValueError(f"{why}: height and width must be multiples of {multiple}, got {self.height}×{self.width}")
 
     def latent_shape(self) -> tuple[int, ...]:
         """The shape of one sample's latent x, without the batch: (C, h, w) by default."""
@@ -127,17 +181,37 @@ class DenoiserAdapter:
         self.scheduler.set_timesteps(num_steps, device=self.device, **set_timesteps_kwargs)
         return Schedule(sigmas=self.scheduler.sigmas.float().clone(), timesteps=self.scheduler.timesteps.clone())
 
+    def shifted_flow_schedule(self, num_steps: int, image_seq_len: int | None = None) -> Schedule:
+        """What FLUX.1, Qwen-Image and Z-Image set: σ's linspace(1, 1/S, S), shifted with mu =
+        calculate_shift(image_seq_len) (the scheduler config's base/max sequence lengths and shifts,
+        FLUX's defaults where it has none) when the scheduler shifts dynamically, else by its fixed shift.
+        ``image_seq_len`` None: the number of 2×2 patches of the (C, h, w) latent, as those pipelines pack it."""
+        if image_seq_len is None:
+            _, h, w = self.latent_shape()
+            image_seq_len = (h // 2) * (w // 2)
+        config = self.scheduler.config
+        base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+        base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
+        slope = (max_shift - base_shift) / (max_len - base_len)
+        mu = image_seq_len * slope + (base_shift - slope * base_len)  # calculate_shift's arithmetic, to the bit
+        return self.flow_schedule(num_steps, sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+
     def negative(self) -> Conditioning:
-        """The unconditional branch of CFG [1, ...], as the pipeline makes it (cached)."""
-        raise NotImplementedError
+        """The negative branch of CFG [1, ...]: ``negative_prompt``'s conditioning ("" unless the
+        family takes one), as the pipeline makes it (cached)."""
+        if self._negative is None:
+            self._negative = self.encode([self.negative_prompt])
+        return self._negative
 
     def guidance_inputs(self, x: torch.Tensor, cond: Conditioning, guidance_scale: float):
         """(x, conditioning tensors) for the denoiser: with CFG (guidance_scale > 1) both doubled to
-        [2B, ...] as [unconditional, conditional], the pipelines' order."""
+        [2B, ...] as [unconditional, conditional], the pipelines' order; a conditioning image's tensors
+        (absent from ``negative()``) are the same in both halves."""
         if guidance_scale <= 1.0:
             return x, cond.tensors
-        negative = self.negative().tensors
-        tensors = {k: torch.cat([negative[k].expand(len(v), *v.shape[1:]), v]) for k, v in cond.tensors.items()}
+        negative = self.negative().tensors  # a tensor it lacks (a conditioning image) is shared by both halves
+        tensors = {k: torch.cat([negative[k].expand(len(v), *v.shape[1:]) if k in negative else v, v])
+                   for k, v in cond.tensors.items()}
         return torch.cat([x, x]), tensors
 
     def batch_timesteps(self, t, batch: int) -> torch.Tensor:
@@ -192,11 +266,12 @@ class DenoiserAdapter:
     # -- training ------------------------------------------------------------------------
     def add_lora(self, rank: int, alpha: float | None = None, targets: tuple[str, ...] | list[str] | None = None,
                  init: str | bool = "gaussian") -> None:
-        """Attach a peft LoRA to the denoiser; only its weights train (kept in float32)."""
+        """Attach a peft LoRA to each denoiser; only its weights train (kept in float32)."""
         from peft import LoraConfig
 
-        self.model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha or rank, init_lora_weights=init,
-                                          target_modules=list(targets or self.lora_targets)))
+        for model in self.denoisers().values():
+            model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha or rank, init_lora_weights=init,
+                                         target_modules=list(targets or self.lora_targets)))
         for p in self.model.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
@@ -215,7 +290,9 @@ class DenoiserAdapter:
     def reference(self):
         """Inside this context ``predict`` is the reference policy (LoRA off, or the frozen copy)."""
         if self.lora:
-            with disabled_lora(self.model):
+            with contextlib.ExitStack() as stack:
+                for model in self.denoisers().values():
+                    stack.enter_context(disabled_lora(model))
                 yield
         elif self._frozen_reference is not None:
             current, self.denoiser = self.denoiser, self._frozen_reference
@@ -227,45 +304,61 @@ class DenoiserAdapter:
             raise RuntimeError("no reference policy: full fine-tuning was set up without keep_reference")
 
     def trained_state_dict(self) -> dict[str, torch.Tensor]:
-        """The trained weights: the LoRA layers in peft/diffusers naming, or the whole denoiser."""
+        """The trained weights: the LoRA layers in peft/diffusers naming, or the whole denoiser; with
+        several denoisers each one's keys are prefixed with its name and a dot."""
+        parts = {name: self._trained_state_dict(model) for name, model in self.denoisers().items()}
+        if len(parts) == 1:
+            return next(iter(parts.values()))
+        return {f"{name}.{k}": v for name, part in parts.items() for k, v in part.items()}
+
+    def _trained_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         if self.lora:
             from peft import get_peft_model_state_dict
 
-            return get_peft_model_state_dict(self.model)
-        return self.model.state_dict()
+            return get_peft_model_state_dict(model)
+        return model.state_dict()
 
     def load_trained_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if self.lora:
-            from peft import set_peft_model_state_dict
+        denoisers = self.denoisers()
+        for name, model in denoisers.items():
+            part = state if len(denoisers) == 1 else {k[len(name) + 1:]: v for k, v in state.items()
+                                                       if k.startswith(f"{name}.")}
+            if self.lora:
+                from peft import set_peft_model_state_dict
 
-            result = set_peft_model_state_dict(self.model, state)
-            if getattr(result, "unexpected_keys", None):
-                raise KeyError(f"unexpected LoRA keys: {result.unexpected_keys[:5]}")
-        else:
-            self.model.load_state_dict(state)
+                result = set_peft_model_state_dict(model, part)
+                if getattr(result, "unexpected_keys", None):
+                    raise KeyError(f"unexpected LoRA keys: {result.unexpected_keys[:5]}")
+            else:
+                model.load_state_dict(part)
 
     def save_trained(self, directory: str | Path) -> None:
         """LoRA → ``pytorch_lora_weights.safetensors`` with its peft config (rank, alpha, targets) as
         metadata, so ``pipe.load_lora_weights(directory)`` loads it at the trained scale; full
         fine-tuning → a diffusers ``<model_folder>/`` folder. A pipeline without diffusers' LoRA
-        loader saves with its model's ``save_lora_adapter`` (same file, same metadata)."""
+        loader saves with its model's ``save_lora_adapter`` (same file, same metadata). A further
+        denoiser (``extra_folders``) goes to ``<name>_lora/`` (LoRA, in the first one's format, for
+        ``load_lora_weights(..., load_into_<name>=True)``) or ``<name>/``."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        if self.lora and not hasattr(self.pipeline_class, "save_lora_weights"):
-            self.model.save_lora_adapter(directory, safe_serialization=True)
-        elif self.lora:
-            name = self.model_folder
-            self.pipeline_class.save_lora_weights(
-                directory, safe_serialization=True, **{f"{name}_lora_layers": self.trained_state_dict(),
-                                                       f"{name}_lora_adapter_metadata": self.lora_metadata()})
-        else:
-            self.model.save_pretrained(directory / self.model_folder, safe_serialization=True)
+        for i, (name, model) in enumerate(self.denoisers().items()):
+            if self.lora and not hasattr(self.pipeline_class, "save_lora_weights"):
+                model.save_lora_adapter(directory, safe_serialization=True)
+            elif self.lora:
+                first = self.model_folder
+                self.pipeline_class.save_lora_weights(
+                    directory if i == 0 else directory / f"{name}_lora", safe_serialization=True,
+                    **{f"{first}_lora_layers": self._trained_state_dict(model),
+                       f"{first}_lora_adapter_metadata": model.peft_config["default"].to_dict()})
+            else:
+                model.save_pretrained(directory / name, safe_serialization=True)
 
     def lora_metadata(self) -> dict:
-        return self.model.peft_config["default"].to_dict()
+        return next(iter(self.denoisers().values())).peft_config["default"].to_dict()
 
     def enable_gradient_checkpointing(self) -> None:
-        self.model.enable_gradient_checkpointing()
+        for model in self.denoisers().values():
+            model.enable_gradient_checkpointing()
 
     def enable_xformers(self) -> None:
         self.pipe.enable_xformers_memory_efficient_attention()

@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from torch import nn
 
 from pipelines.base import Conditioning, Schedule
@@ -55,10 +53,7 @@ class FluxAdapter(DenoiserAdapter):
                  true_cfg_scale: float = 1.0, negative_prompt: str = "", height: int | None = None,
                  width: int | None = None):
         super().__init__(pipe, device=device, height=height, width=width)
-        multiple = 2 * pipe.vae_scale_factor
-        if self.height % multiple or self.width % multiple:
-            raise ValueError(f"FLUX packs 2×2 latent patches: height and width must be multiples of {multiple}, "
-                             f"got {self.height}×{self.width}")
+        self.check_size(2 * pipe.vae_scale_factor, "FLUX packs 2×2 latent patches")
         if not isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler):
             raise ValueError(f"FluxAdapter steps with FLUX's FlowMatchEulerDiscreteScheduler schedule; this pipeline "
                              f"has a {type(pipe.scheduler).__name__}")
@@ -67,10 +62,6 @@ class FluxAdapter(DenoiserAdapter):
         self.true_cfg_scale = true_cfg_scale
         self.negative_prompt = negative_prompt
         self.guidance_embeds = bool(self.model.config.guidance_embeds)
-
-    def default_size(self) -> tuple[int, int]:
-        size = self.pipe.default_sample_size * self.pipe.vae_scale_factor  # FluxPipeline's default (1024)
-        return size, size
 
     def latent_shape(self) -> tuple[int, ...]:
         f = self.pipe.vae_scale_factor
@@ -84,23 +75,12 @@ class FluxAdapter(DenoiserAdapter):
                                                     max_sequence_length=self.max_sequence_length)
         return Conditioning({"embeds": embeds, "pooled": pooled})
 
-    def negative(self) -> Conditioning:
-        """``negative_prompt``'s conditioning [1, ...], the negative branch of true CFG (cached)."""
-        if self._negative is None:
-            self._negative = self.encode([self.negative_prompt])
-        return self._negative
 
     # -- sampling ------------------------------------------------------------------------
     def schedule(self, num_steps: int) -> Schedule:
-        """What ``FluxPipeline`` sets: σ's linspace(1, 1/S, S), shifted with mu = calculate_shift(the
-        image sequence length) when the scheduler shifts dynamically (FLUX.1-dev), else by its fixed
-        shift (schnell; mu is then ignored)."""
-        config = self.scheduler.config
-        _, h, w = self.latent_shape()
-        mu = calculate_shift((h // 2) * (w // 2), config.get("base_image_seq_len", 256),
-                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                             config.get("max_shift", 1.15))
-        return self.flow_schedule(num_steps, sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+        """What ``FluxPipeline`` sets (``DenoiserAdapter.shifted_flow_schedule`` over its packed
+        sequence length): FLUX.1-dev shifts with the resolution, schnell by its fixed shift."""
+        return self.shifted_flow_schedule(num_steps)
 
     def predict(self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance_scale: float = 1.0,
                 model: nn.Module | None = None) -> torch.Tensor:
@@ -116,11 +96,14 @@ class FluxAdapter(DenoiserAdapter):
         n, c, h, w = x.shape
         guidance = (torch.full((n,), guidance_scale, device=self.device, dtype=torch.float32)
                     if self.guidance_embeds else None)
-        v = model(hidden_states=self.pipe._pack_latents(x.to(dtype), n, c, h, w),
-                  timestep=self.batch_timesteps(t, n).to(dtype) / 1000, guidance=guidance,
+        tokens = self.pipe._pack_latents(x.to(dtype), n, c, h, w)
+        ids = self.pipe._prepare_latent_image_ids(n, h // 2, w // 2, self.device, dtype)
+        if "image_latents" in tensors:  # FLUX.1-Kontext: the packed conditioning image after the latent tokens
+            tokens = torch.cat([tokens, tensors["image_latents"].to(dtype)], dim=1)
+            ids = torch.cat([ids, ids.clone().index_fill_(1, torch.tensor([0], device=self.device), 1)])
+        v = model(hidden_states=tokens, timestep=self.batch_timesteps(t, n).to(dtype) / 1000, guidance=guidance,
                   pooled_projections=tensors["pooled"].to(dtype), encoder_hidden_states=tensors["embeds"].to(dtype),
                   txt_ids=torch.zeros(tensors["embeds"].shape[1], 3, device=self.device, dtype=dtype),
-                  img_ids=self.pipe._prepare_latent_image_ids(n, h // 2, w // 2, self.device, dtype),
-                  return_dict=False)[0]
-        v = self.pipe._unpack_latents(v, self.height, self.width, self.pipe.vae_scale_factor)
+                  img_ids=ids, return_dict=False)[0]
+        v = self.pipe._unpack_latents(v[:, :(h // 2) * (w // 2)], self.height, self.width, self.pipe.vae_scale_factor)
         return self.guide(v, self.true_cfg_scale)

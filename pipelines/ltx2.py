@@ -150,11 +150,6 @@ class LTX2Adapter(DenoiserAdapter):
                                                             padding_side=padding_side)
         return Conditioning({"video_embeds": video, "audio_embeds": audio, "mask": connector_mask})
 
-    def negative(self) -> Conditioning:
-        """``negative_prompt``'s conditioning [1, ...], the unconditional branch of CFG (cached)."""
-        if self._negative is None:
-            self._negative = self.encode([self.negative_prompt])
-        return self._negative
 
     # -- sampling ------------------------------------------------------------------------
     def initial_noise(self, batch: int, generator: torch.Generator) -> torch.Tensor:

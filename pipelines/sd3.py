@@ -65,11 +65,6 @@ class SD3Adapter(DenoiserAdapter):
             max_sequence_length=self.max_sequence_length)
         return Conditioning({"embeds": embeds, "pooled": pooled})
 
-    def negative(self) -> Conditioning:
-        """The empty prompt's conditioning [1, ...], the unconditional branch of CFG (cached)."""
-        if self._negative is None:
-            self._negative = self.encode([""])
-        return self._negative
 
     # -- sampling ------------------------------------------------------------------------
     def schedule(self, num_steps: int) -> Schedule:

@@ -61,6 +61,7 @@ def _load_builtins_and_plugins() -> None:
     import reward_models.audio_video  # noqa: F401
     import reward_models.chess.reward  # noqa: F401  (Stockfish starts at the first call)
     import reward_models.clip_score  # noqa: F401
+    import reward_models.edit_fidelity  # noqa: F401
     import reward_models.hps  # noqa: F401
     import reward_models.jpeg  # noqa: F401
     import reward_models.ocr  # noqa: F401

@@ -45,7 +45,7 @@ def test_resolution_rules(monkeypatch):
     assert "xformers is not installed" in resolve_attention("xformers", "cuda")[1]
     assert "no xformers attention path" in resolve_attention("xformers", "cpu", family_supports=False)[1]
     with pytest.raises(ValueError, match="auto, sdpa, xformers"):
-        resolve_attention("flash", "cpu")
+        resolve_attention("flash_attention_9", "cpu")  # not a backend (diffusers dispatcher names are)
 
 
 def test_xformers_on_cpu_falls_back_to_sdpa_with_one_line(tiny_sd3_dir, capsys, sdpa_calls, one_thread):

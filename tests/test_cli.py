@@ -54,13 +54,15 @@ def no_model_loads(monkeypatch):
 def _bad_inputs(tmp_path):
     (tmp_path / "empty.txt").write_text("\n   \n")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a red circle"}\n{"prompt": \n')
-    (tmp_path / "prompts.csv").write_text("a red circle\n")
+    (tmp_path / "prompts.tsv").write_text("a red circle\n")
+    (tmp_path / "headless.csv").write_text("a red circle\n")
     (tmp_path / "a-file").write_text("")
     return [  # (override, what the message must name besides the override)
         (f"data.train_prompts={tmp_path / 'empty.txt'}", "data.train_prompts: .*empty.txt holds no prompts"),
         (f"data.eval_prompts={tmp_path / 'empty.txt'}", "data.eval_prompts: .*holds no prompts"),
         (f"data.train_prompts={tmp_path / 'bad.jsonl'}", "bad.jsonl: line 2 is not JSON"),
-        (f"data.eval_prompts={tmp_path / 'prompts.csv'}", "prompts.csv: prompt files must be .txt .* got .csv"),
+        (f"data.eval_prompts={tmp_path / 'prompts.tsv'}", "prompts.tsv: prompt files must be .txt .* got .tsv"),
+        (f"data.eval_prompts={tmp_path / 'headless.csv'}", "headless.csv: the first line must be a header naming a \"prompt\" column"),
         ("data.train_prompts=shapes:trian", "data.train_prompts shapes:trian: split must be"),
         ("checkpoint_every=-1", "checkpoint_every must be ≥ 0"),
         ("checkpoints_kept=-2", "checkpoints_kept must be ≥ 0"),

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from adapter_checks import FLOW_METHODS, assert_on_policy_at_init, assert_trained, train_once
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, WanPipeline
 
 from flowalign.config import ConfigError, load_config
@@ -30,21 +31,14 @@ FAMILIES = {
             [f"model.height={WAN_SIZE}", f"model.width={WAN_SIZE}", f"model.num_frames={FRAMES}",
              "sampling.guidance_scale=2.0"]),
 }
-# every objective a flow model trains with: Flow-GRPO with each of the three SDE steps, DiffusionNFT
-METHODS = {
-    "flow_grpo": ["method=flow_grpo", "sampling.sde=flow_grpo", "train.kl_beta=0.1"],
-    "cps": ["method=flow_grpo", "sampling.sde=cps", "train.kl_beta=0.1"],
-    "dance_grpo": ["method=dance_grpo", "sampling.sde=dance_grpo"],  # no reference model: KL 0 by definition
-    "diffusion_nft": ["method=diffusion_nft", "train.kl_beta=0.1"],
-}
 REWARDS = {
     "jpeg": ["reward.name=jpeg_compressibility", "reward.weights={jpeg_compressibility: 1.0}"],
     "temporal": ["reward.name=temporal_consistency", "reward.weights={temporal_consistency: 1.0}"],
     "per_frame_jpeg": ["reward.name=per_frame", "reward.kwargs={reward: jpeg_compressibility}",
                        "reward.weights={jpeg_compressibility: 1.0}"],
 }
-RUNS = [("flux", method, "jpeg") for method in METHODS] + \
-       [("wan", method, reward) for method in METHODS for reward in ("temporal", "per_frame_jpeg")]
+RUNS = [("flux", method, "jpeg") for method in FLOW_METHODS] + \
+       [("wan", method, reward) for method in FLOW_METHODS for reward in ("temporal", "per_frame_jpeg")]
 
 
 @pytest.fixture(scope="module")
@@ -68,34 +62,12 @@ def run_config(folders, out, family, *overrides):
         "eval.every=0", "checkpoint_every=0", *overrides])
 
 
-def _train(config) -> tuple[Trainer, list[torch.Tensor]]:
-    trainer = Trainer(config)
-    initial = [p.detach().clone() for p in trainer.params]
-    trainer.train()
-    return trainer, initial
-
-
-def _assert_trained(trainer, initial):
-    stats = trainer.history[0]
-    assert math.isfinite(stats["train/policy_loss"]) and stats["train/skipped_nonfinite"] == 0
-    assert stats["train/grad_norm"] > 0
-    assert any((p.detach() - p0).abs().max() > 0 for p, p0 in zip(trainer.params, initial))
-    assert all(torch.isfinite(p).all() for p in trainer.params)
-    assert (trainer.out / "final" / "pytorch_lora_weights.safetensors").is_file()
-
-
 @pytest.mark.parametrize("family, method, reward", RUNS, ids=["-".join(r) for r in RUNS])
 def test_each_objective_trains_on_policy_with_zero_kl_at_init(folders, tmp_path, family, method, reward):
-    trainer, initial = _train(run_config(folders, tmp_path, family, *METHODS[method], *REWARDS[reward]))
-    _assert_trained(trainer, initial)
+    trainer, initial = train_once(run_config(folders, tmp_path, family, *FLOW_METHODS[method], *REWARDS[reward]))
+    assert_trained(trainer, initial)
     stats = trainer.history[0]
-    assert stats["train/kl"] == 0.0  # a fresh LoRA is the identity: policy = reference
-    if method == "diffusion_nft":  # the old policy samples and anchors; at init it is the current one
-        assert stats["train/old_decay"] == 0.0 and stats["train/nft_positive"] == pytest.approx(
-            stats["train/nft_negative"], rel=1e-6)
-    else:  # one minibatch, rescored by the weights that sampled it
-        assert stats["train/ratio"] == pytest.approx(1.0, abs=1e-6)
-        assert stats["train/approx_kl"] < 1e-12 and stats["train/clipfrac"] == 0.0
+    assert_on_policy_at_init(stats, method)
     component = {"jpeg": "jpeg_compressibility", "temporal": "temporal_consistency",
                  "per_frame_jpeg": "jpeg_compressibility"}[reward]
     assert math.isfinite(stats[f"reward/{component}"]) and stats["reward/std"] > 0  # advantages are not all 0
@@ -108,8 +80,8 @@ def test_gdro_trains_on_pregenerated_groups(folders, tmp_path, family):
     gdro = ["method=gdro", "sampling.eta=0.0", f"data.offline_groups={tmp_path / 'groups'}",
             *REWARDS["temporal" if family == "wan" else "jpeg"]]
     generate_groups(run_config(folders, tmp_path / "gen", family, *gdro), 2)
-    trainer, initial = _train(run_config(folders, tmp_path / "run", family, *gdro))
-    _assert_trained(trainer, initial)
+    trainer, initial = train_once(run_config(folders, tmp_path / "run", family, *gdro))
+    assert_trained(trainer, initial)
     assert trainer.history[0]["train/gdro_score_gap"] == 0.0  # policy = reference: every implicit reward is 0
 
 
@@ -173,8 +145,8 @@ def _pipeline_latents(family, folder, lora, guidance, seed):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_trained_lora_is_saved_in_diffusers_format(folders, tmp_path, family):
     reward = "jpeg" if family == "flux" else "temporal"
-    trainer, initial = _train(run_config(folders, tmp_path, family, *METHODS["flow_grpo"], *REWARDS[reward]))
-    _assert_trained(trainer, initial)
+    trainer, initial = train_once(run_config(folders, tmp_path, family, *FLOW_METHODS["flow_grpo"], *REWARDS[reward]))
+    assert_trained(trainer, initial)
     adapter, guidance = trainer.adapter, trainer.config.sampling.guidance_scale
     expected = _pipeline_latents(family, folders / family, tmp_path / "final", guidance, seed=7)
     generator = torch.Generator().manual_seed(7)

@@ -17,7 +17,14 @@ HUB_IDS = {"sd35m_flow_grpo_geneval.yaml": "stabilityai/stable-diffusion-3.5-med
            "flux_dev_dance_grpo_hps.yaml": "black-forest-labs/FLUX.1-dev",
            "wan21_t2v_flow_grpo_temporal.yaml": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
            "sd15_ddpo_aesthetic.yaml": "stable-diffusion-v1-5/stable-diffusion-v1-5",
-           "sd15_ddpo_compressibility.yaml": "stable-diffusion-v1-5/stable-diffusion-v1-5"}
+           "sd15_ddpo_compressibility.yaml": "stable-diffusion-v1-5/stable-diffusion-v1-5",
+           "qwen_image_flow_grpo_pickscore.yaml": "Qwen/Qwen-Image",
+           "flux2_klein_flow_grpo_pickscore.yaml": "black-forest-labs/FLUX.2-klein-base-4B",
+           "z_image_turbo_flow_grpo_fast_pickscore.yaml": "Tongyi-MAI/Z-Image-Turbo",
+           "wan22_a14b_t2v_flow_grpo_temporal.yaml": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+           "flux_kontext_flow_grpo_counting_edit.yaml": "black-forest-labs/FLUX.1-Kontext-dev",
+           "qwen_image_edit_flow_grpo_counting_edit.yaml": "Qwen/Qwen-Image-Edit",
+           "wan21_i2v_flow_grpo_temporal.yaml": "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"}
 
 
 @pytest.fixture
@@ -82,7 +89,7 @@ def _variant(tmp_path, recipe: str, edit) -> str:
     ("sd15_ddpo_aesthetic.yaml", lambda t: t.update(method="flow_grpo"), ["method 'flow_grpo' does not apply"]),
     ("wan21_t2v_flow_grpo_temporal.yaml", lambda t: t["reward"].update(name="pickscore", weights={"pickscore": 1}),
      ["scores images", "per_frame"]),
-    ("sd35m_flow_grpo_pickscore.yaml", lambda t: t["model"].update(attention="flash"),
+    ("sd35m_flow_grpo_pickscore.yaml", lambda t: t["model"].update(attention="flash-attn"),
      ["model.attention must be one of"]),
     ("sd35m_flow_grpo_pickscore.yaml", lambda t: t["model"].update(family="sd4"), ["unknown model family 'sd4'"]),
     ("chess_ddpo.yaml", lambda t: t["model"].update(gradient_checkpointing=True), ["model.gradient_checkpointing"]),
