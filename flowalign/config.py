@@ -232,11 +232,7 @@ CHOICES = {
     "train.advantage_baseline": ("group", "leave_one_out"),
     "train.mixed_precision": ("no", "fp16", "bf16"),
     "tracker": ("tensorboard", "wandb", "none"),
-    # flow_grpo, dance_grpo and ddpo share the clipped-ratio loss over stochastic steps (dance_grpo
-    # without KL; ddpo on the DDIM steps of sd / sdxl and on the unmasking steps of chess);
-    # diffusion_nft trains on the forward process
-    "method": ("flow_grpo", "dance_grpo", "ddpo", "diffusion_nft", "gdro"),
-}
+}  # method: one of the registered objectives (flowalign/objectives/base.py), checked by check_values
 
 
 def _type_name(tp) -> str:
@@ -361,47 +357,30 @@ def check_values(config: RunConfig, where: str = "config") -> None:
         ("train.rng_shards", t.rng_shards is None or t.rng_shards >= 1, "must be ≥ 1 (or null: one per process)"),
         ("sampling.num_steps", s.num_steps >= 2, "must be ≥ 2 (the last step is never trained)"),
         ("eval.num_steps", config.eval.num_steps is None or config.eval.num_steps >= 1, "must be ≥ 1 (or null)"),
-        ("sampling.eta", s.eta > 0 or config.method in ("diffusion_nft", "gdro"),
-         "must be > 0 to train with log-probabilities (η = 0 is ODE sampling; diffusion_nft and gdro allow it)"),
-        ("train.train_batch_size", (config.method != "gdro" and not t.nft_shared_noising)
-         or t.train_batch_size % t.group_size == 0,
-         "must be a multiple of train.group_size for gdro and train.nft_shared_noising (a minibatch holds whole groups)"),
-        ("train.gdro_tau", t.gdro_tau > 0, "must be > 0"),
-        ("explore.mode", config.explore.mode == "none" or config.method in ("flow_grpo", "dance_grpo"),
-         "needs a method that trains on SDE log-probabilities (flow_grpo, dance_grpo)"),
         ("sampling.eta", s.eta >= 0, "must be ≥ 0"),
         ("model.prompt_cache_size", config.model.prompt_cache_size >= 0, "must be ≥ 0 (0 = no cache)"),
         ("model.offload_text_encoders", not config.model.offload_text_encoders or config.model.prompt_cache_size > 0,
          "needs model.prompt_cache_size > 0 (without a cache every step would move the encoders)"),
-        ("routing", not (config.routing.reweight or config.routing.influence) or config.method == "diffusion_nft",
-         "reweight / influence need method diffusion_nft"),
-        ("routing.reweight", not config.routing.reweight or t.per_reward_advantages,
-         "needs train.per_reward_advantages=true (one advantage per reward, routed per branch)"),
-        ("routing.floor_gate", config.routing.floor_gate in ("none", "all", "conflicts"), "must be none, all or conflicts"),
-        ("routing.floor_gate", config.routing.floor_gate == "none"
-         or (config.routing.reweight and config.routing.floor_strength > 0),
-         "needs routing.reweight=true and routing.floor_strength > 0 (it acts while a reward is below its floor)"),
-        ("routing.concerns", set(config.routing.concerns) <= set(config.reward.weights),
-         f"names components that reward.weights does not weight: {sorted(set(config.routing.concerns) - set(config.reward.weights))}"),
-        ("routing.concerns", all(b and set(b) <= {"video", "audio"} for b in config.routing.concerns.values()),
-         "each component's branches must be a non-empty subset of [video, audio]"),
         ("sampling.window_shift_every", s.window_shift_every >= 0, "must be ≥ 0 (0 = no sliding window)"),
         ("sampling.window_stride", s.window_stride >= 1, "must be ≥ 1"),
-        ("train.nft_beta", t.nft_beta > 0, "must be > 0"),
-        ("train.kl_beta", config.method != "dance_grpo" or t.kl_beta == 0,
-         "must be 0 for dance_grpo (no reference model); use method=flow_grpo for a KL"),
         ("train.keep_extremes", t.keep_extremes >= 0 and 2 * t.keep_extremes <= t.group_size,
          "must be between 0 and group_size / 2"),
         ("train.per_reward_advantages", not (t.per_reward_advantages and t.per_prompt_stats),
          "cannot be combined with train.per_prompt_stats"),
-        ("train.noise_draws", 1 <= t.noise_draws <= s.num_steps, "must be between 1 and sampling.num_steps"),
-        ("train.nft_old_decay_max", 0 <= t.nft_old_decay_max < 1, "must be in [0, 1)"),
         ("model.lora_rank", config.model.lora_rank >= 0, "must be ≥ 0 (0 = full fine-tuning)"),
         ("sampling.temperature", s.temperature > 0, "must be > 0"),
         ("train.entropy_coef", t.entropy_coef >= 0, "must be ≥ 0"),
         ("train.advantage_baseline", t.advantage_baseline == "group" or not (t.per_prompt_stats or t.global_std),
          "leave_one_out cannot be combined with train.per_prompt_stats or train.global_std"),
     ]
+    from flowalign import experimental
+    from flowalign.objectives.base import OBJECTIVES, methods
+
+    if config.method not in methods():
+        raise ConfigError(f"{where}: method must be one of {', '.join(methods())}, got {config.method!r}")
+    for cls in OBJECTIVES[config.method]:  # each method's own rules, then the experimental extras'
+        rules += cls.validate(config)
+    rules += experimental.rules(config)
     for key, ok, message in rules:
         if not ok:
             raise ConfigError(f"{where}: {key} {message}")

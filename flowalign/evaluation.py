@@ -1,8 +1,9 @@
 """Comparable evaluation of policies: which weights to load, fixed-seed ODE samples, reward tables.
 
 A *policy* is a label and a folder of trained weights (``None`` = the base model). Every policy
-samples every (prompt, seed) from the same initial noise (``torch.Generator().manual_seed(seed)``),
-so a cell of a grid or a row of a table differs between policies only through the weights.
+samples every (prompt, seed) from the same initial noise (``held_out_noise``: the convention of a
+run's own evaluation, so ``flowalign eval`` reproduces it), so a cell of a grid or a row of a
+table differs between policies only through the weights.
 
 ``evaluate`` appends one JSON line per scored sample to ``samples.jsonl`` as it goes and skips
 what is already there, so an interrupted evaluation resumes where it stopped; ``summary.json`` and
@@ -41,7 +42,7 @@ def resolve_policies(specs: list[str]) -> list[Policy]:
     checkpoint in order, then ``final/``, which stands for the last checkpoint of a finished run).
     Labels are short and unique: ``base``, ``epoch-20``, ``final``; ``LABEL=FOLDER`` names a
     policy (a run's policies become ``LABEL/epoch-20``, ``LABEL/final``)."""
-    from flowalign.trainer import checkpoint_folders
+    from flowalign.checkpoint import checkpoint_folders
 
     policies = []
     for spec in specs:
@@ -101,27 +102,56 @@ def load_policy(policy: Policy, model: str, family: str = "sd3", **loading):
     return load_adapter(family, model, trained=policy.weights, **loading)
 
 
-def sample_images(adapter, prompts: list[str], seeds: list[int], steps: int, guidance: float,
-                  batch_size: int = 16) -> torch.Tensor:
-    """ODE samples, images float [len(prompts)·len(seeds), 3, H, W] in [0, 1], row-major (prompt, seed)."""
-    return sample_pairs(adapter, [(p, s) for p in prompts for s in seeds], steps, guidance, batch_size)
+EVAL_SEED = 20_241_202  # every held-out sample's noise comes from it: before/after and policies are paired
+
+
+def held_out_noise(adapter, count: int) -> torch.Tensor:
+    """The noise convention of every evaluation (in-run and ``flowalign eval`` / grid / sample):
+    held-out sample k starts from row k of ``adapter.initial_noise(count, generator seeded
+    EVAL_SEED)``. Prompt i's seed s is sample ``i·S + s`` for S seeds per prompt (seeds 0 … S − 1),
+    so ``flowalign eval --seeds 0,…,S−1`` draws exactly what a run's evaluation with
+    ``eval.seeds: S`` draws on the same prompts."""
+    return adapter.initial_noise(count, torch.Generator().manual_seed(EVAL_SEED))
 
 
 @torch.no_grad()
-def sample_pairs(adapter, pairs: list[tuple[str, int]], steps: int, guidance: float,
-                 batch_size: int = 16) -> torch.Tensor:
-    """One ODE sample per (prompt, seed): images float [len(pairs), 3, H, W] in [0, 1]."""
+def ode_samples(adapter, encode, prompts: list[str], noise: torch.Tensor, steps: int, guidance: float,
+                batch_size: int) -> torch.Tensor:
+    """The one held-out sampler: ODE (η = 0) final latents [len(prompts), ...] from ``noise``
+    [len(prompts), ...], ``batch_size`` at a time; ``encode``: the adapter's, or a prompt cache."""
     from flowalign.rollout import rollout
     from flowalign.samplers.steps import plan_steps
 
+    schedule = adapter.schedule(steps)
+    latents = []
+    for lo in range(0, len(prompts), batch_size):
+        sub = prompts[lo:lo + batch_size]
+        traj = rollout(adapter, encode(sub), noise[lo:lo + len(sub)], schedule, plan_steps(steps, len(sub), 0.0),
+                       guidance_scale=guidance)
+        latents.append(traj.samples)
+    return torch.cat(latents)
+
+
+def sample_images(adapter, prompts: list[str], seeds: list[int], steps: int, guidance: float,
+                  batch_size: int = 16) -> torch.Tensor:
+    """ODE samples, images float [len(prompts)·len(seeds), 3, H, W] in [0, 1], row-major (prompt, seed)."""
+    return sample_pairs(adapter, prompts, [(i, s) for i in range(len(prompts)) for s in seeds], max(seeds) + 1,
+                        steps, guidance, batch_size)
+
+
+@torch.no_grad()
+def sample_pairs(adapter, prompts: list[str], pairs: list[tuple[int, int]], seeds_per_prompt: int, steps: int,
+                 guidance: float, batch_size: int = 16) -> torch.Tensor:
+    """One ODE sample per (prompt index, seed) with the noise of ``held_out_noise`` (sample
+    ``index·seeds_per_prompt + seed``): decoded samples [len(pairs), ...]."""
+    noise = held_out_noise(adapter, len(prompts) * seeds_per_prompt)
+    rows = [i * seeds_per_prompt + s for i, s in pairs]
     out = []
     for lo in range(0, len(pairs), batch_size):
-        chunk = pairs[lo:lo + batch_size]
-        cond = adapter.encode([p for p, _ in chunk])
-        noise = torch.cat([adapter.initial_noise(1, torch.Generator().manual_seed(s)) for _, s in chunk])
-        traj = rollout(adapter, cond, noise, adapter.schedule(steps), plan_steps(steps, len(chunk), 0.0),
-                       guidance_scale=guidance)
-        out.append(adapter.decode(traj.samples))
+        chunk = rows[lo:lo + batch_size]
+        latents = ode_samples(adapter, adapter.encode, [prompts[i] for i, _ in pairs[lo:lo + batch_size]],
+                              noise[chunk], steps, guidance, batch_size)
+        out.append(adapter.decode(latents))
     # decoded samples that are not one tensor (pipelines.joint.AudioVideoSamples) concatenate themselves
     return torch.cat(out) if isinstance(out[0], torch.Tensor) else type(out[0]).cat(out)
 
@@ -147,6 +177,7 @@ def evaluate(policies: list[Policy], records: list[dict], rewards: dict, out_dir
         done = {(row["policy"], row["index"], row["seed"]) for row in kept}
     todo = [(p, i, s) for p in policies for i in range(len(records)) for s in seeds
             if (p.label, i, s) not in done]
+    prompts = [r["prompt"] for r in records]
     bar = tqdm(total=len(todo), desc="eval", unit="sample")
     with open(lines_path, "a") as sink:
         for policy in policies:
@@ -156,7 +187,7 @@ def evaluate(policies: list[Policy], records: list[dict], rewards: dict, out_dir
             adapter = load_policy(policy, model, family, **(loading or {}))
             for lo in range(0, len(mine), batch_size):
                 chunk = mine[lo:lo + batch_size]
-                images = sample_pairs(adapter, [(records[i]["prompt"], s) for i, s in chunk], steps, guidance)
+                images = sample_pairs(adapter, prompts, chunk, max(seeds) + 1, steps, guidance)
                 subset = [records[i] for i, _ in chunk]
                 scores = {}
                 for name, reward in rewards.items():

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from flowalign.chess import tokenizer as tok
-from flowalign.objectives.masked_ddpo import (categorical_entropy, categorical_kl, leave_one_out_advantages,
+from flowalign.advantages import leave_one_out_advantages
+from flowalign.objectives.masked_ddpo import (categorical_entropy, categorical_kl,
                                               masked_ddpo_loss)
 from flowalign.samplers.unmasking import rollout, score_step, unmask_counts, unmask_step, unmasking_plan
 from pipelines import adapter_class
