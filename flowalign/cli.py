@@ -292,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from flowalign.config import ConfigError
-    from flowalign.trainer import CheckpointError
+    from flowalign.checkpoint import CheckpointError
     from pipelines.base import ModelNotFoundError
 
     args = build_parser().parse_args(argv)

@@ -151,7 +151,7 @@ class TrainConfig:
 
 @dataclass
 class ExploreConfig:
-    # EXPLORENET (flowalign/explorenet.py): none (isotropic) | shape (learned per-element std, total fixed) |
+    # EXPLORENET (flowalign/experimental/explorenet.py): none (isotropic) | shape (learned per-element std, total fixed) |
     # magnitude (learned per-step scale only: the ablation) | both
     mode: str = "none"
     learning_rate: float = 1e-3
@@ -160,7 +160,7 @@ class ExploreConfig:
 
 @dataclass
 class RoutingConfig:
-    """DiffusionNFT on joint audio-video models (flowalign/objectives/av_routing.py); needs
+    """DiffusionNFT on joint audio-video models (flowalign/experimental/av_routing.py); needs
     method diffusion_nft, an audio_video family and train.per_reward_advantages."""
 
     # (ii) each reward trains the branches it concerns (component → [video] | [audio] | [video, audio];

@@ -134,15 +134,16 @@ def test_shared_noising_gives_a_group_one_draw_and_trains_it_in_one_minibatch(ti
     from types import SimpleNamespace
 
     from flowalign.config import ConfigError
+    from flowalign.objectives.forward_process import forward_draws
 
     trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, *NFT, "train.nft_shared_noising=true",
                                   "train.train_batch_size=4"))
     traj = SimpleNamespace(timesteps=torch.arange(4), latents=torch.zeros(8, 1), samples=torch.zeros(8, 3, 2, 2))
-    steps, eps = trainer._forward_draws(traj, trainer.config.train.group_size)
+    steps, eps = forward_draws(trainer.dist, traj, trainer.config.train.noise_draws, trainer.config.train.group_size)
     for group in (slice(0, 4), slice(4, 8)):
         assert (steps[group] == steps[group][:1]).all() and (eps[group] == eps[group][:1]).all()
     assert not torch.equal(eps[0], eps[4])
-    assert {frozenset((i // 4 for i in idx.tolist())) for idx in trainer._minibatches(8, 4)} == {frozenset([0]),
+    assert {frozenset((i // 4 for i in idx.tolist())) for idx in trainer.dist.minibatches(8, 4)} == {frozenset([0]),
                                                                                                 frozenset([1])}
     with pytest.raises(ConfigError, match="train.train_batch_size"):
         tiny_config(tiny_sd3_dir, tmp_path, *NFT, "train.nft_shared_noising=true", "train.train_batch_size=6")

@@ -100,7 +100,7 @@ def test_missing_model_folder_names_the_path(tmp_path):
 
 
 def test_balanced_prompt_weights_give_every_category_the_same_mass():
-    from flowalign.trainer import prompt_weights
+    from flowalign.epoch_sampler import prompt_weights
     from flowalign.worlds.shapes import CATEGORIES, prompt_split
 
     specs = prompt_split("train")
@@ -172,7 +172,7 @@ def test_mixgrpo_window_slides_one_step_later_per_epoch(tiny_sd3_dir, tmp_path):
 
 
 def test_latent_diversity_is_zero_for_identical_samples_and_the_rms_distance_otherwise():
-    from flowalign.trainer import latent_diversity
+    from flowalign.evaluator import latent_diversity
 
     same = torch.ones(6, 2, 2)
     assert latent_diversity(same, 3) == 0.0
