@@ -72,7 +72,7 @@ class SamplingConfig:
     window_stride: int = 1
     shared_group_noise: bool = False  # one initial noise per prompt group
     log_prob_reduction: str = "mean"  # mean | sum over latent elements
-    # masked discrete diffusion (model.family chess, flowalign/samplers/unmasking.py): how many
+    # masked discrete diffusion (model.family chess, pipelines/unmasking.py): how many
     # positions each of the num_steps steps unmasks (cosine | linear) and the sampling temperature
     # of the model's categoricals (training rescores at the same one); the log-prob is always the
     # sum over the newly unmasked positions, every step is stochastic and trained

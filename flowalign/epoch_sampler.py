@@ -4,7 +4,7 @@ them into scored samples, whatever the objective trains on.
 Rollout kinds (an objective's ``rollout``): ``"sde"`` and ``"ode"`` run the flow / DDIM sampler
 of ``flowalign.rollout`` with the step plan of ``sampling`` (stochastic steps with log-probs where
 η > 0; η = 0 is the ODE); ``"unmasking"`` runs masked discrete diffusion
-(``flowalign.samplers.unmasking``: the plan and the categorical draws from the shard's noise
+(``pipelines.unmasking``: the plan and the categorical draws from the shard's noise
 stream); ``"offline"`` draws pre-generated groups (``flowalign.offline``) and samples nothing.
 Scoring is written once: one worker thread scores chunk k (a remote call, a CPU verifier) while
 chunk k + 1 samples. ``flowalign generate-groups`` uses this sampler too.
@@ -21,7 +21,7 @@ from flowalign.advantages import combine_rewards
 from flowalign.config import RunConfig
 from flowalign.rollout import Trajectory, group_noise, rollout
 from flowalign.samplers.steps import StepPlan, plan_steps, sliding_window_start
-from flowalign.samplers.unmasking import MaskedTrajectory
+from pipelines.unmasking import MaskedTrajectory
 
 ROLLOUTS = ("sde", "ode", "unmasking", "offline")
 
@@ -51,7 +51,7 @@ def cat_components(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
 def masked_rollout(adapter, cond, sampling, generator: torch.Generator | None) -> MaskedTrajectory:
     """Unmask the states of ``cond`` (its fixed tokens kept) with the current weights; the plan
     and the categorical draws come from ``generator``."""
-    from flowalign.samplers.unmasking import rollout as unmasking_rollout
+    from pipelines.unmasking import rollout as unmasking_rollout
 
     return unmasking_rollout(lambda x: adapter.predict(x, None, cond, sampling.guidance_scale),
                              adapter.initial_state(cond), sampling.num_steps, schedule=sampling.unmask_schedule,

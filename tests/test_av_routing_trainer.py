@@ -7,7 +7,7 @@ import torch
 
 from flowalign.config import ConfigError, load_config
 from flowalign.trainer import Trainer
-from flowalign.worlds.audio_video import vocabulary
+from reward_models.worlds.audio_video import vocabulary
 from pipelines.av_demo import TinyAVSizes, build_tiny_av_pipeline
 
 WEIGHTS = "{video_quality: 1.0, audio_quality: 1.0, text_video: 1.0, text_audio: 1.0, sync: 2.0}"

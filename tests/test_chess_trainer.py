@@ -33,7 +33,6 @@ class CheapChessReward(Reward):
         return {"legal": torch.tensor(legal), "empty": torch.tensor(empty)}
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ from reward_models.base import Reward, register_reward
 from test_distributed import history, run, start, train_command, wait_until_started, write_config
 from test_trainer import tiny_config
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest
 
 EPOCHS = 10
 # every epoch checkpointed, two minibatches (the shuffle stream matters), EMA (its state must resume too)

@@ -101,7 +101,7 @@ def test_missing_model_folder_names_the_path(tmp_path):
 
 def test_balanced_prompt_weights_give_every_category_the_same_mass():
     from flowalign.epoch_sampler import prompt_weights
-    from flowalign.worlds.shapes import CATEGORIES, prompt_split
+    from reward_models.worlds.shapes import CATEGORIES, prompt_split
 
     specs = prompt_split("train")
     tags = [spec["tag"] for spec in specs]

@@ -2,7 +2,7 @@
 reference policy, an entropy bonus, and a leave-one-out group baseline (METHODS §3).
 
 Per recorded step x_s → x_{s+1} of a sample, with U the positions the step newly unmasked and
-π(· | x_s, ℓ) = softmax(logits_ℓ / τ) each position's categorical (``samplers/unmasking.py``):
+π(· | x_s, ℓ) = softmax(logits_ℓ / τ) each position's categorical (``pipelines/unmasking.py``):
 
     log p_θ = Σ_{ℓ∈U} log π_θ(x_{s+1,ℓ} | x_s, ℓ)            (the unmasking plan cancels)
     ratio   = exp(log p_θ − log p_old)
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from flowalign.samplers.unmasking import score_step
+from pipelines.unmasking import score_step
 
 
 def _probs_and_finite_log_probs(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +103,7 @@ def masked_trained_steps(num_steps: int, schedule: str) -> list[int]:
     """The unmasking steps that unmask at least one position of a fully masked sequence (the
     trainer's rollouts: prompts carry no partial board, so every sample follows these counts); a
     step that unmasks nothing (e.g. the first cosine step) has no log-prob to train."""
-    from flowalign.samplers.unmasking import unmask_counts
+    from pipelines.unmasking import unmask_counts
     from pipelines.chess_tokenizer import SEQ_LEN
 
     counts = unmask_counts(torch.tensor([SEQ_LEN]), num_steps, schedule)[0]
