@@ -36,8 +36,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="adapter options as a YAML/JSON mapping, e.g. '{max_sequence_length: 256}' (model.kwargs)")
     p.add_argument("--steps", type=int, default=10, help="sampling steps (ODE)")
     p.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale")
-    p.add_argument("--seeds", default="0,1,2,3", help="comma-separated seeds; the same seed gives the same "
-                                                       "initial noise under every policy")
+    p.add_argument("--seeds", default="0,1,2,3",
+                   help="comma-separated seeds; prompt i's seed s starts from row i·(max seed + 1) + s of the held-out "
+                        "noise (flowalign.evaluation.held_out_noise: a run's own evaluation noise), the same under "
+                        "every policy")
 
 
 def _add_policy_args(p: argparse.ArgumentParser) -> None:
