@@ -37,9 +37,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=10, help="sampling steps (ODE)")
     p.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale")
     p.add_argument("--seeds", default="0,1,2,3",
-                   help="comma-separated seeds; prompt i's seed s starts from row i·(max seed + 1) + s of the held-out "
-                        "noise (flowalign.evaluation.held_out_noise: a run's own evaluation noise), the same under "
-                        "every policy")
+                   help="comma-separated seeds; the same seed gives the same initial noise under every policy "
+                        "(eval: prompt i's seed s is row i·(max seed + 1) + s of a run's own evaluation noise, "
+                        "flowalign.evaluation.held_out_noise)")
 
 
 def _add_policy_args(p: argparse.ArgumentParser) -> None:

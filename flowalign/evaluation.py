@@ -1,9 +1,11 @@
 """Comparable evaluation of policies: which weights to load, fixed-seed ODE samples, reward tables.
 
 A *policy* is a label and a folder of trained weights (``None`` = the base model). Every policy
-samples every (prompt, seed) from the same initial noise (``held_out_noise``: the convention of a
-run's own evaluation, so ``flowalign eval`` reproduces it), so a cell of a grid or a row of a
-table differs between policies only through the weights.
+samples every (prompt, seed) from the same initial noise, so a cell of a grid or a row of a table
+differs between policies only through the weights. ``evaluate`` (``flowalign eval``) draws it as
+a run's own evaluation does (``held_out_noise``), so it reproduces a run's held-out numbers;
+``grid`` and ``sample`` seed each seed's noise with ``manual_seed(seed)``, so a grid cell and a
+``sample`` of the same prompt and seed agree.
 
 ``evaluate`` appends one JSON line per scored sample to ``samples.jsonl`` as it goes and skips
 what is already there, so an interrupted evaluation resumes where it stopped; ``summary.json`` and
@@ -106,7 +108,7 @@ EVAL_SEED = 20_241_202  # every held-out sample's noise comes from it: before/af
 
 
 def held_out_noise(adapter, count: int) -> torch.Tensor:
-    """The noise convention of every evaluation (in-run and ``flowalign eval`` / grid / sample):
+    """The noise convention of every evaluation (in-run and ``flowalign eval``):
     held-out sample k starts from row k of ``adapter.initial_noise(count, generator seeded
     EVAL_SEED)``. Prompt i's seed s is sample ``i·S + s`` for S seeds per prompt (seeds 0 … S − 1),
     so ``flowalign eval --seeds 0,…,S−1`` draws exactly what a run's evaluation with
@@ -135,23 +137,23 @@ def ode_samples(adapter, encode, prompts: list[str], noise: torch.Tensor, steps:
 def sample_images(adapter, prompts: list[str], seeds: list[int], steps: int, guidance: float,
                   batch_size: int = 16) -> torch.Tensor:
     """ODE samples, images float [len(prompts)·len(seeds), 3, H, W] in [0, 1], row-major (prompt, seed)."""
-    return sample_pairs(adapter, prompts, [(i, s) for i in range(len(prompts)) for s in seeds], max(seeds) + 1,
-                        steps, guidance, batch_size)
+    return sample_pairs(adapter, [(p, s) for p in prompts for s in seeds], steps, guidance, batch_size)
 
 
 @torch.no_grad()
-def sample_pairs(adapter, prompts: list[str], pairs: list[tuple[int, int]], seeds_per_prompt: int, steps: int,
-                 guidance: float, batch_size: int = 16) -> torch.Tensor:
-    """One ODE sample per (prompt index, seed) with the noise of ``held_out_noise`` (sample
-    ``index·seeds_per_prompt + seed``): decoded samples [len(pairs), ...]."""
-    noise = held_out_noise(adapter, len(prompts) * seeds_per_prompt)
-    rows = [i * seeds_per_prompt + s for i, s in pairs]
-    out = []
-    for lo in range(0, len(pairs), batch_size):
-        chunk = rows[lo:lo + batch_size]
-        latents = ode_samples(adapter, adapter.encode, [prompts[i] for i, _ in pairs[lo:lo + batch_size]],
-                              noise[chunk], steps, guidance, batch_size)
-        out.append(adapter.decode(latents))
+def sample_pairs(adapter, pairs: list[tuple[str, int]], steps: int, guidance: float,
+                 batch_size: int = 16) -> torch.Tensor:
+    """One ODE sample per (prompt, seed) for ``grid`` and ``sample``: a seed's noise is
+    ``initial_noise(1, manual_seed(seed))`` whatever the prompt, so a grid cell and ``flowalign
+    sample`` of the same prompt and seed agree. Decoded samples [len(pairs), ...]."""
+    noise = torch.cat([adapter.initial_noise(1, torch.Generator().manual_seed(s)) for _, s in pairs])
+    return _decoded(adapter, [p for p, _ in pairs], noise, steps, guidance, batch_size)
+
+
+def _decoded(adapter, prompts: list[str], noise: torch.Tensor, steps: int, guidance: float, batch_size: int):
+    out = [adapter.decode(ode_samples(adapter, adapter.encode, prompts[lo:lo + batch_size],
+                                      noise[lo:lo + batch_size], steps, guidance, batch_size))
+           for lo in range(0, len(prompts), batch_size)]
     # decoded samples that are not one tensor (pipelines.joint.AudioVideoSamples) concatenate themselves
     return torch.cat(out) if isinstance(out[0], torch.Tensor) else type(out[0]).cat(out)
 
@@ -185,9 +187,11 @@ def evaluate(policies: list[Policy], records: list[dict], rewards: dict, out_dir
             if not mine:
                 continue
             adapter = load_policy(policy, model, family, **(loading or {}))
+            noise = held_out_noise(adapter, len(records) * (max(seeds) + 1))
             for lo in range(0, len(mine), batch_size):
                 chunk = mine[lo:lo + batch_size]
-                images = sample_pairs(adapter, prompts, chunk, max(seeds) + 1, steps, guidance)
+                rows = [i * (max(seeds) + 1) + s for i, s in chunk]  # held_out_noise's convention
+                images = _decoded(adapter, [prompts[i] for i, _ in chunk], noise[rows], steps, guidance, batch_size)
                 subset = [records[i] for i, _ in chunk]
                 scores = {}
                 for name, reward in rewards.items():
