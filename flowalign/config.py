@@ -19,8 +19,8 @@ from typing import Any, Optional
 import yaml
 
 
-class ConfigError(ValueError):
-    """A configuration problem; the message names the key and where it came from."""
+from flowalign.errors import ConfigError  # noqa: E402  (re-exported: every check raises it)
+from flowalign.objectives.base import method_options  # noqa: E402  (importing it loads the registry)
 
 
 @dataclass
@@ -99,7 +99,7 @@ class RewardConfig:
 
 
 @dataclass
-class TrainConfig:
+class _GeneralTrainConfig:
     epochs: int = 60
     max_minutes: Optional[float] = None  # also stop (evaluated and saved as usual) after this much training time
     groups_per_epoch: int = 8  # prompts per epoch per process
@@ -119,7 +119,6 @@ class TrainConfig:
     # group: (r − group mean) / std (GRPO); leave_one_out: (r − mean of the group's other samples) / group
     # std (masked DDPO, flowalign/objectives/masked_ddpo.py)
     advantage_baseline: str = "group"
-    entropy_coef: float = 0.0  # entropy bonus of masked DDPO (logits models): L − c_H·H of each step's categoricals
     # DanceGRPO: one advantage per weighted reward component, each with its own clipped objective
     per_reward_advantages: bool = False
     keep_extremes: int = 0  # best-of-N: train only on each group's k best and k worst samples (0 = all)
@@ -133,20 +132,13 @@ class TrainConfig:
     # another. Default (None): one shard per process. The same value on runs with different numbers
     # of processes (and the same global batch) makes them sample the same data (docs/distributed.md).
     rng_shards: Optional[int] = None
-    # DiffusionNFT (method: diffusion_nft; flowalign/objectives/diffusion_nft.py)
-    nft_beta: float = 1.0  # β: how far the implicit positive / negative policies sit from the old one
-    noise_draws: int = 4  # noising draws (distinct schedule σ's) per sample per minibatch
-    nft_old_decay_rate: float = 0.001  # the old policy's EMA decay after epoch e: min(max, rate·e)
-    nft_old_decay_max: float = 0.5
-    # every sample of a group gets the same noising draws (σ and ε) and a group trains in one
-    # minibatch: common random numbers. The NFT gradient is Σ_i (2r_i − 1)·(x0_i − x̂0_i), and the ε
-    # part of x̂0 is then shared, so it cancels against the group's centred r instead of adding noise.
-    nft_shared_noising: bool = False
-    # GDRO (method: gdro; flowalign/objectives/gdro.py): implicit-reward scale, target temperature,
-    # weight of the flow-matching loss on each group's best sample
-    gdro_beta: float = 6.0
-    gdro_tau: float = 0.05
-    gdro_gamma: float = 0.5
+
+
+@dataclass
+class TrainConfig(*reversed(method_options()), _GeneralTrainConfig):
+    """``train:``: the options above, then the methods' own (e.g. ``nft_beta``, ``gdro_tau``,
+    ``noise_draws``, ``entropy_coef``), defined, documented and checked in their objective's file
+    (the dataclasses its class names in ``options``) and joined here under the same keys."""
 
 
 @dataclass
@@ -369,7 +361,6 @@ def check_values(config: RunConfig, where: str = "config") -> None:
          "cannot be combined with train.per_prompt_stats"),
         ("model.lora_rank", config.model.lora_rank >= 0, "must be ≥ 0 (0 = full fine-tuning)"),
         ("sampling.temperature", s.temperature > 0, "must be > 0"),
-        ("train.entropy_coef", t.entropy_coef >= 0, "must be ≥ 0"),
         ("train.advantage_baseline", t.advantage_baseline == "group" or not (t.per_prompt_stats or t.global_std),
          "leave_one_out cannot be combined with train.per_prompt_stats or train.global_std"),
     ]

@@ -31,6 +31,8 @@ def _imports(path: Path, module: str, top_level_only: bool, known: dict) -> set[
         for node in body:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 nodes.append(node)
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue  # only read by type checkers, never executed
             elif isinstance(node, (ast.If, ast.Try, ast.With)):
                 for field in ("body", "orelse", "finalbody", "handlers"):
                     for child in getattr(node, field, []):

@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from flowalign.config import ConfigError
+from flowalign.errors import ConfigError
 from flowalign.experimental.av_routing import (RewardRouter, branch_advantages, branch_contrasts, interaction_gram,
                                                layer_gradient_scales, routed_nft_loss, token_weights)
 from flowalign.objectives.diffusion_nft import DiffusionNFT, optimality_probability

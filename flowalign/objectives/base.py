@@ -17,6 +17,8 @@ asks the objective, by this protocol only, for what differs between methods::
     begin_update(batch) per-update draws, once per inner epoch (noising draws)
     loss(batch, idx, term, advantages, valid) → (loss, stats) of one term of minibatch ``idx``
     end_epoch(batch, epoch) → stats: end-of-epoch work (an old policy's decay)
+    options             dataclasses of its own ``train.*`` options, joined into ``TrainConfig``
+                        under the same keys (documented and checked here, beside the method)
     state_dict() / load_state_dict(state)   checkpointed under its name (flowalign.checkpoint)
     components()        the state to checkpoint, by name ({name: self} for a stateful objective)
 
@@ -28,11 +30,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
-from flowalign.config import ConfigError, RunConfig
+from flowalign.errors import ConfigError
+
+if TYPE_CHECKING:
+    from flowalign.config import RunConfig
 
 
 @dataclass
@@ -95,6 +100,7 @@ class BaseObjective:
 
     unit = 1
     predictions: ClassVar[tuple[str, ...]] = ("velocity",)
+    options: ClassVar[tuple[type, ...]] = ()
     stateful = False  # True: state_dict() is checkpointed under the objective's name
 
     def __init__(self, ctx: Context):
@@ -138,6 +144,19 @@ def register(cls: type) -> type:
     """Class decorator: make ``cls`` the objective of ``method: cls.name`` for its predictions."""
     OBJECTIVES.setdefault(cls.name, []).append(cls)
     return cls
+
+
+def method_options() -> tuple[type, ...]:
+    """The registered objectives' option dataclasses, once each (``TrainConfig``'s bases)."""
+    import flowalign.objectives  # noqa: F401
+
+    found = []
+    for classes in OBJECTIVES.values():
+        for cls in classes:
+            for option in cls.options:
+                if option not in found:
+                    found.append(option)
+    return tuple(found)
 
 
 def methods() -> tuple[str, ...]:

@@ -95,9 +95,24 @@ def old_policy_decay(epoch: int, rate: float, maximum: float) -> float:
 
 
 # -- the objective (flowalign/objectives/base.py) ------------------------------------------------
+from dataclasses import dataclass  # noqa: E402
+
 from flowalign.ema import EMA  # noqa: E402
 from flowalign.objectives.base import BaseObjective, register  # noqa: E402
-from flowalign.objectives.forward_process import draw_rules, forward_draws, noised  # noqa: E402
+from flowalign.objectives.forward_process import NoisingOptions, draw_rules, forward_draws, noised  # noqa: E402
+
+
+@dataclass
+class NFTOptions:
+    """``train.*`` options of method diffusion_nft."""
+
+    nft_beta: float = 1.0  # β: how far the implicit positive / negative policies sit from the old one
+    nft_old_decay_rate: float = 0.001  # the old policy's EMA decay after epoch e: min(max, rate·e)
+    nft_old_decay_max: float = 0.5
+    # every sample of a group gets the same noising draws (σ and ε) and a group trains in one
+    # minibatch: common random numbers. The NFT gradient is Σ_i (2r_i − 1)·(x0_i − x̂0_i), and the ε
+    # part of x̂0 is then shared, so it cancels against the group's centred r instead of adding noise.
+    nft_shared_noising: bool = False
 
 
 @register
@@ -111,6 +126,7 @@ class DiffusionNFT(BaseObjective):
     name = "diffusion_nft"
     rollout = "ode"
     predictions = ("velocity",)
+    options = (NoisingOptions, NFTOptions)
     stateful = True
 
     def __init__(self, ctx):

@@ -3,9 +3,16 @@ samples from each shard's noise stream, and the noised copies x_t they train on.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pipelines.base import NoisesForward
+
+
+@dataclass
+class NoisingOptions:
+    noise_draws: int = 4  # noising draws (distinct schedule σ's) per sample per minibatch (train.noise_draws)
 
 
 def forward_draws(dist, traj, k: int, share: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

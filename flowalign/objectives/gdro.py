@@ -73,8 +73,20 @@ def gdro_loss(
 
 
 # -- the objective (flowalign/objectives/base.py) ------------------------------------------------
+from dataclasses import dataclass  # noqa: E402
+
 from flowalign.objectives.base import BaseObjective, register  # noqa: E402
-from flowalign.objectives.forward_process import draw_rules, forward_draws, noised  # noqa: E402
+from flowalign.objectives.forward_process import NoisingOptions, draw_rules, forward_draws, noised  # noqa: E402
+
+
+@dataclass
+class GDROOptions:
+    """``train.*`` options of method gdro: implicit-reward scale, target temperature, weight of the
+    flow-matching loss on each group's best sample."""
+
+    gdro_beta: float = 6.0
+    gdro_tau: float = 0.05
+    gdro_gamma: float = 0.5
 
 
 @register
@@ -86,6 +98,7 @@ class GDRO(BaseObjective):
     name = "gdro"
     rollout = "offline"
     predictions = ("velocity",)
+    options = (NoisingOptions, GDROOptions)
 
     def __init__(self, ctx):
         super().__init__(ctx)

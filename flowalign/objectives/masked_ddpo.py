@@ -96,7 +96,14 @@ def masked_ddpo_loss(
 
 
 # -- the objective (flowalign/objectives/base.py) ------------------------------------------------
+from dataclasses import dataclass  # noqa: E402
+
 from flowalign.objectives.base import BaseObjective, register  # noqa: E402
+
+
+@dataclass
+class MaskedDDPOOptions:
+    entropy_coef: float = 0.0  # entropy bonus (train.entropy_coef): L − c_H·H of each step's categoricals
 
 
 def masked_trained_steps(num_steps: int, schedule: str) -> list[int]:
@@ -120,6 +127,7 @@ class MaskedDDPO(BaseObjective):
     name = "ddpo"
     rollout = "unmasking"
     predictions = ("logits",)
+    options = (MaskedDDPOOptions,)
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -129,7 +137,8 @@ class MaskedDDPO(BaseObjective):
     @classmethod
     def validate(cls, config) -> list[tuple[str, bool, str]]:
         return [("sampling.eta", config.sampling.eta > 0,
-                 "must be > 0 to train with log-probabilities (η = 0 is ODE sampling; diffusion_nft and gdro allow it)")]
+                 "must be > 0 to train with log-probabilities (η = 0 is ODE sampling; diffusion_nft and gdro allow it)"),
+                ("train.entropy_coef", config.train.entropy_coef >= 0, "must be ≥ 0")]
 
     @classmethod
     def validate_family(cls, config) -> list[tuple[str, bool, str]]:
