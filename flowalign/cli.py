@@ -113,7 +113,7 @@ def cmd_train(args) -> int:
 
 def cmd_generate_groups(args) -> int:
     from flowalign.config import load_config
-    from flowalign.offline import generate_groups
+    from flowalign.group_generation import generate_groups
 
     config = load_config(args.config, args.overrides)
     print(f"wrote {args.groups} groups to {generate_groups(config, args.groups)}")

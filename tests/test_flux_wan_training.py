@@ -9,7 +9,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, WanPipeline
 
 from flowalign.config import ConfigError, load_config
-from flowalign.offline import generate_groups
+from flowalign.group_generation import generate_groups
 from flowalign.rollout import rollout
 from flowalign.samplers.steps import plan_steps
 from flowalign.trainer import Trainer

@@ -7,7 +7,8 @@ import torch
 from test_trainer import tiny_config
 
 from flowalign.config import ConfigError
-from flowalign.offline import generate_groups, load_groups
+from flowalign.group_generation import generate_groups
+from flowalign.offline import load_groups
 from flowalign.trainer import Trainer
 
 GDRO = ("method=gdro", "sampling.eta=0.0", "train.noise_draws=2", "train.group_size=4", "train.train_batch_size=4")

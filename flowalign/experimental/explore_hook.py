@@ -8,12 +8,13 @@ the generator, which never needs them) and writes ``explorenet/`` next to ``fina
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import torch
 from safetensors.torch import save_file
 
-from flowalign.config import ConfigError, to_dict
+from flowalign.errors import ConfigError
 
 
 def prompt_vector(cond) -> torch.Tensor:
@@ -110,4 +111,4 @@ class ExploreHook:
         """Kept for inspection; sampling from final/ never needs it (main process)."""
         (out / "explorenet").mkdir(exist_ok=True)
         save_file(_State(self.net).state_dict(), out / "explorenet" / "explorenet.safetensors")
-        (out / "explorenet" / "config.json").write_text(json.dumps(to_dict(self.config.explore)))
+        (out / "explorenet" / "config.json").write_text(json.dumps(dataclasses.asdict(self.config.explore)))

@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
 from flowalign.errors import ConfigError
 
-if TYPE_CHECKING:
-    from flowalign.config import RunConfig
+RunConfig = object  # flowalign.config.RunConfig (not imported: the config is built from this registry)
 
 
 @dataclass
