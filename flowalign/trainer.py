@@ -30,12 +30,12 @@ from tqdm.auto import tqdm
 
 from flowalign import experimental
 from flowalign.advantages import Advantages
-from flowalign.checkpoint import Checkpointer, CheckpointError, DiskFullError, checkpoint_folders  # noqa: F401
+from flowalign.checkpoint import Checkpointer
 from flowalign.config import ConfigError, RunConfig, to_dict
 from flowalign.distributed import Distributed
 from flowalign.ema import EMA, maybe_swapped_in
-from flowalign.epoch_sampler import EpochBatch, EpochSampler  # noqa: F401
-from flowalign.evaluator import Evaluator, flat, latent_diversity  # noqa: F401
+from flowalign.epoch_sampler import EpochBatch, EpochSampler
+from flowalign.evaluator import Evaluator, flat
 from flowalign.model_setup import build_model
 from flowalign.objectives.base import Context, objective_class
 from flowalign.preflight import check_modality, check_reward_components, family_prediction, validate
