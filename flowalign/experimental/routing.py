@@ -181,8 +181,8 @@ class RoutedNFT:
         self._layer_scales = dict(zip(names, scales.tolist()))
 
     def components(self) -> dict:
-        """Checkpointed state: the wrapped objective's under its name, the router under ``routing``."""
-        return {self.inner.name: self.inner, "routing": _RouterState(self)}
+        """Checkpointed state: the wrapped objective's, and the router under ``routing``."""
+        return {**self.inner.components(), "routing": _RouterState(self)}
 
 
 class _RouterState:

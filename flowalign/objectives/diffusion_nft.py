@@ -127,7 +127,6 @@ class DiffusionNFT(BaseObjective):
     rollout = "ode"
     predictions = ("velocity",)
     options = (NoisingOptions, NFTOptions)
-    stateful = True
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -186,6 +185,9 @@ class DiffusionNFT(BaseObjective):
         self.old.decay = old_policy_decay(epoch, t.nft_old_decay_rate, t.nft_old_decay_max)
         self.old.update()
         return {"train/old_decay": self.old.decay}
+
+    def components(self) -> dict:
+        return {"old": self}  # old.safetensors: the old policy's weights
 
     def state_dict(self) -> dict:
         return self.old.state_dict()
