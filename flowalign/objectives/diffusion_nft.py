@@ -98,8 +98,8 @@ def old_policy_decay(epoch: int, rate: float, maximum: float) -> float:
 from dataclasses import dataclass  # noqa: E402
 
 from flowalign.ema import EMA  # noqa: E402
-from flowalign.objectives.base import BaseObjective, register  # noqa: E402
-from flowalign.objectives.forward_process import NoisingOptions, draw_rules, forward_draws, noised  # noqa: E402
+from flowalign.objectives.base import register  # noqa: E402
+from flowalign.objectives.forward_process import ForwardProcessObjective, NoisingOptions, noised  # noqa: E402
 
 
 @dataclass
@@ -116,7 +116,7 @@ class NFTOptions:
 
 
 @register
-class DiffusionNFT(BaseObjective):
+class DiffusionNFT(ForwardProcessObjective):
     """DiffusionNFT: ODE (or any) rollouts sampled by the old policy; ``train.noise_draws``
     noising draws per sample and minibatch, one loss term each. The old policy is an EMA of the
     trained weights whose decay ramps per epoch (``old_policy_decay``); it is this objective's
@@ -133,13 +133,12 @@ class DiffusionNFT(BaseObjective):
         t = self.config.train
         self.unit = t.group_size if t.nft_shared_noising else 1  # samples sharing draws train together
         self.old = EMA(ctx.params, 0.0)  # samples the rollouts and anchors v⁺ / v⁻
-        self.draws = None
         self.head = None
 
     @classmethod
     def validate(cls, config) -> list[tuple[str, bool, str]]:
         t = config.train
-        return draw_rules(config) + [
+        return super().validate(config) + [
             ("train.nft_beta", t.nft_beta > 0, "must be > 0"),
             ("train.nft_old_decay_max", 0 <= t.nft_old_decay_max < 1, "must be in [0, 1)"),
             ("train.train_batch_size", not t.nft_shared_noising or t.train_batch_size % t.group_size == 0,
@@ -147,18 +146,8 @@ class DiffusionNFT(BaseObjective):
              "groups)"),
         ]
 
-    @classmethod
-    def num_terms(cls, config) -> int:
-        return config.train.noise_draws
-
-    def terms(self, batch) -> list[int]:
-        return list(range(self.config.train.noise_draws))
-
     def sampling_weights(self):
         return self.old.swapped_in()
-
-    def begin_update(self, batch) -> None:
-        self.draws = forward_draws(self.ctx.dist, batch.traj, self.config.train.noise_draws, self.unit)
 
     def loss(self, batch, idx, j, adv, valid):
         """DiffusionNFT on one noising draw per sample of minibatch ``idx``."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flowalign.objectives.base import BaseObjective
 from pipelines.base import NoisesForward
 
 
@@ -46,3 +47,29 @@ def noised(adapter, sub, step: torch.Tensor, eps: torch.Tensor):
 def draw_rules(config) -> list[tuple[str, bool, str]]:
     return [("train.noise_draws", 1 <= config.train.noise_draws <= config.sampling.num_steps,
              "must be between 1 and sampling.num_steps")]
+
+
+class ForwardProcessObjective(BaseObjective):
+    """The loop members of an objective on the forward process: ``train.noise_draws`` loss terms
+    per minibatch, one per noising draw, drawn once per update for every sample (``unit``
+    consecutive samples share theirs)."""
+
+    options = (NoisingOptions,)
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.draws = None  # (schedule indices long [B, K], noise [B, K, ...]) of this update
+
+    @classmethod
+    def validate(cls, config) -> list[tuple[str, bool, str]]:
+        return draw_rules(config)
+
+    @classmethod
+    def num_terms(cls, config) -> int:
+        return config.train.noise_draws
+
+    def terms(self, batch) -> list[int]:
+        return list(range(self.config.train.noise_draws))
+
+    def begin_update(self, batch) -> None:
+        self.draws = forward_draws(self.ctx.dist, batch.traj, self.config.train.noise_draws, self.unit)

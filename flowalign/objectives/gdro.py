@@ -75,8 +75,8 @@ def gdro_loss(
 # -- the objective (flowalign/objectives/base.py) ------------------------------------------------
 from dataclasses import dataclass  # noqa: E402
 
-from flowalign.objectives.base import BaseObjective, register  # noqa: E402
-from flowalign.objectives.forward_process import NoisingOptions, draw_rules, forward_draws, noised  # noqa: E402
+from flowalign.objectives.base import register  # noqa: E402
+from flowalign.objectives.forward_process import ForwardProcessObjective, NoisingOptions, noised  # noqa: E402
 
 
 @dataclass
@@ -90,7 +90,7 @@ class GDROOptions:
 
 
 @register
-class GDRO(BaseObjective):
+class GDRO(ForwardProcessObjective):
     """GDRO, fully offline: trains on the groups ``flowalign generate-groups`` wrote
     (``data.offline_groups``), ``train.noise_draws`` noising draws per group and minibatch (one
     loss term each), shared by a group's samples; a minibatch holds whole groups."""
@@ -103,27 +103,16 @@ class GDRO(BaseObjective):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.unit = self.config.train.group_size
-        self.draws = None
 
     @classmethod
     def validate(cls, config) -> list[tuple[str, bool, str]]:
         t = config.train
-        return draw_rules(config) + [
+        return super().validate(config) + [
             ("train.train_batch_size", t.train_batch_size % t.group_size == 0,
              "must be a multiple of train.group_size for gdro and train.nft_shared_noising (a minibatch holds whole "
              "groups)"),
             ("train.gdro_tau", t.gdro_tau > 0, "must be > 0"),
         ]
-
-    @classmethod
-    def num_terms(cls, config) -> int:
-        return config.train.noise_draws
-
-    def terms(self, batch) -> list[int]:
-        return list(range(self.config.train.noise_draws))
-
-    def begin_update(self, batch) -> None:
-        self.draws = forward_draws(self.ctx.dist, batch.traj, self.config.train.noise_draws, self.unit)
 
     def loss(self, batch, idx, j, adv, valid):
         """GDRO on one noising draw shared by each group: the minibatch's samples are whole groups
