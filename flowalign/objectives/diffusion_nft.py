@@ -99,7 +99,7 @@ from dataclasses import dataclass  # noqa: E402
 
 from flowalign.ema import EMA  # noqa: E402
 from flowalign.objectives.base import register  # noqa: E402
-from flowalign.objectives.forward_process import ForwardProcessObjective, NoisingOptions, noised  # noqa: E402
+from flowalign.objectives.forward_process import ForwardProcessObjective, NoisingOptions  # noqa: E402
 
 
 @dataclass
@@ -153,7 +153,7 @@ class DiffusionNFT(ForwardProcessObjective):
         """DiffusionNFT on one noising draw per sample of minibatch ``idx``."""
         ctx, t = self.ctx, self.config.train
         sub, adv, weight = batch.traj[idx], adv[idx], valid[idx]
-        x0, x_t, sigma, timestep = noised(ctx.adapter, sub, self.draws[0][idx, j], self.draws[1][idx, j])
+        x0, x_t, sigma, timestep, _ = self.noised(sub, idx, j)
         with torch.no_grad():  # before v_θ's forward: swapping the old weights in later would break its graph
             with self.old.swapped_in():
                 v_old = ctx.adapter.predict(x_t, timestep, sub.cond, 1.0)

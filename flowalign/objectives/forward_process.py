@@ -31,14 +31,14 @@ def forward_draws(dist, traj, k: int, share: int = 1) -> tuple[torch.Tensor, tor
             torch.cat(noise).repeat_interleave(share, dim=0).to(dist.device))
 
 
-def noised(adapter, sub, step: torch.Tensor, eps: torch.Tensor):
+def noised(adapter, sub, step: torch.Tensor, eps: torch.Tensor, own_noising: bool = False):
     """x_t = (1 − σ)·x0 + σ·ε of each sample's final latent: (x0, x_t, σ [b], timestep [b]). An
-    adapter with forward noising of its own (``pipelines.base.NoisesForward``: per-stream levels,
-    av_demo's video-first order) gives (x0 as the loss compares it, x_t, σ) itself."""
+    adapter with forward noising of its own (``own_noising``: a ``pipelines.base.NoisesForward``,
+    per-stream levels, av_demo's video-first order) gives (x0 as the loss compares it, x_t, σ)."""
     device = sub.samples.device
     sigma, timestep = sub.sigmas.to(device)[step], sub.timesteps.to(device)[step]
     x0 = sub.samples
-    if isinstance(adapter, NoisesForward):
+    if own_noising:
         return (*adapter.forward_noised(x0, eps, sigma), timestep)
     s = sigma.view(-1, *([1] * (x0.ndim - 1)))
     return x0, (1 - s) * x0 + s * eps, sigma, timestep
@@ -59,6 +59,7 @@ class ForwardProcessObjective(BaseObjective):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.draws = None  # (schedule indices long [B, K], noise [B, K, ...]) of this update
+        self.own_noising = isinstance(ctx.adapter, NoisesForward)  # the capability, checked once
 
     @classmethod
     def validate(cls, config) -> list[tuple[str, bool, str]]:
@@ -73,3 +74,8 @@ class ForwardProcessObjective(BaseObjective):
 
     def begin_update(self, batch) -> None:
         self.draws = forward_draws(self.ctx.dist, batch.traj, self.config.train.noise_draws, self.unit)
+
+    def noised(self, sub, idx: torch.Tensor, j: int):
+        """Draw j of minibatch ``idx`` (``sub`` = its trajectory): (x0, x_t, σ [b], timestep [b], ε)."""
+        eps = self.draws[1][idx, j]
+        return (*noised(self.ctx.adapter, sub, self.draws[0][idx, j], eps, self.own_noising), eps)

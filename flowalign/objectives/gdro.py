@@ -76,7 +76,7 @@ def gdro_loss(
 from dataclasses import dataclass  # noqa: E402
 
 from flowalign.objectives.base import register  # noqa: E402
-from flowalign.objectives.forward_process import ForwardProcessObjective, NoisingOptions, noised  # noqa: E402
+from flowalign.objectives.forward_process import ForwardProcessObjective, NoisingOptions  # noqa: E402
 
 
 @dataclass
@@ -119,8 +119,8 @@ class GDRO(ForwardProcessObjective):
         in order. A group with a dropped (NaN) reward is left out."""
         ctx, t = self.ctx, self.config.train
         sub, rewards = batch.traj[idx], batch.rewards.to(ctx.dist.device)[idx]
-        x0, x_t, _, timestep = noised(ctx.adapter, sub, self.draws[0][idx, j], self.draws[1][idx, j])
-        target = (self.draws[1][idx, j] - x0).flatten(1)
+        x0, x_t, _, timestep, eps = self.noised(sub, idx, j)
+        target = (eps - x0).flatten(1)
         with torch.no_grad(), ctx.adapter.reference():
             mse_ref = ((ctx.adapter.predict(x_t, timestep, sub.cond, 1.0).float().flatten(1) - target) ** 2).mean(1)
         v_theta = ctx.adapter.predict(x_t, timestep, sub.cond, 1.0, model=ctx.model)
