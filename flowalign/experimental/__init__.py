@@ -1,11 +1,12 @@
 """Experimental corner: methods not yet proven by a benchmark, kept working and tested.
 
-Stability note: the interfaces here may change or go. EXPLORENET (``explore.mode``, a training
-hook: ``explore_hook.py``) did not beat isotropic noise on the shapes world (docs/explorenet.md);
-audio-video routing (``routing.reweight`` / ``routing.influence``, a wrapper of the DiffusionNFT
-objective: ``routing.py``) helps sync on the audio-video world under ``floor_gate: all`` only
-(docs/audio_video.md). A benchmark that shows one of them helping across worlds promotes it to
-``flowalign/objectives/`` (a wrapper) or to the epoch sampler (a noise model).
+Stability note: their config keys and interfaces may change or go. EXPLORENET (``explore.mode``,
+a training hook: ``explore_hook.py``) learns a non-trivial noise shape, but no benefit could be
+measured on the shapes world (docs/explorenet.md). Audio-video routing (``routing.reweight`` /
+``routing.influence``, a wrapper of the DiffusionNFT objective: ``routing.py``) is measured on one
+world only, where ``floor_gate: all`` is the one rule that held sync (docs/audio_video.md). A
+benchmark that shows one of them helping on more than one world promotes it: a wrapper to
+``flowalign/objectives/``, a noise model to the epoch sampler.
 
 ``rules(config)``: their config rules; ``attach(config, ctx, objective, encode, sampler)``: the
 objective to train with (wrapped where a wrapper is on) and the training hooks that are on.
