@@ -20,6 +20,7 @@ counted; checkpoints are atomic and checked whole before use (``flowalign.checkp
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -99,7 +100,7 @@ class Trainer:
         ckpt.register_shards("rng", self.dist)
         if self.advantages.trackers is not None:
             ckpt.register_shards("tracker", self.advantages, fmt="json")
-        ckpt.weights_swap = lambda: maybe_swapped_in(self.ema)
+        ckpt.weights_swap = functools.partial(maybe_swapped_in, self.ema)  # no cycle back to the trainer
         return ckpt
 
     # -- the loop ------------------------------------------------------------------------

@@ -189,3 +189,20 @@ def test_time_budget_stops_the_run_and_extra_rewards_are_only_measured(tiny_sd3_
     assert "jpeg_compressibility" in after and after["train_samples"] == 8 and after["train_seconds"] > 0
     assert after["latent_diversity"] > 0
     assert "reward/jpeg_compressibility" not in trainer.history[0]
+
+
+def test_a_trainer_is_freed_without_the_garbage_collector(tiny_sd3_dir, tmp_path):
+    """No reference cycle holds a trainer: its rewards are released as soon as it goes (a chess
+    reward's engine threads would otherwise keep the process from exiting)."""
+    import gc
+    import weakref
+
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, "train.epochs=0"))
+    trainer.train()
+    alive = weakref.ref(trainer.reward)
+    gc.disable()
+    try:
+        del trainer
+        assert alive() is None
+    finally:
+        gc.enable()
