@@ -36,8 +36,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="adapter options as a YAML/JSON mapping, e.g. '{max_sequence_length: 256}' (model.kwargs)")
     p.add_argument("--steps", type=int, default=10, help="sampling steps (ODE)")
     p.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale")
-    p.add_argument("--seeds", default="0,1,2,3", help="comma-separated seeds; the same seed gives the same "
-                                                       "initial noise under every policy")
+    p.add_argument("--seeds", default="0,1,2,3",
+                   help="comma-separated seeds; the same seed gives the same initial noise under every policy "
+                        "(eval: prompt i's seed s is row i·(max seed + 1) + s of a run's own evaluation noise, "
+                        "flowalign.evaluation.held_out_noise)")
 
 
 def _add_policy_args(p: argparse.ArgumentParser) -> None:
@@ -102,7 +104,7 @@ def cmd_train(args) -> int:
     try:
         summary = train(config)
     except RunStopped as error:  # a failing reward: say what is kept
-        from flowalign.trainer import checkpoint_folders
+        from flowalign.checkpoint import checkpoint_folders
 
         kept = checkpoint_folders(Path(config.output_dir) / "checkpoints")
         raise RunStopped(f"{error}. Kept: {kept[-1] if kept else 'no checkpoint yet'} (nothing was deleted); fix "
@@ -119,7 +121,7 @@ def cmd_train(args) -> int:
 
 def cmd_generate_groups(args) -> int:
     from flowalign.config import load_config
-    from flowalign.offline import generate_groups
+    from flowalign.group_generation import generate_groups
 
     config = load_config(args.config, args.overrides)
     print(f"wrote {args.groups} groups to {generate_groups(config, args.groups)}")
@@ -309,8 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from flowalign.config import ConfigError
+    from flowalign.checkpoint import CheckpointError
     from flowalign.faults import RunStopped
-    from flowalign.trainer import CheckpointError
     from pipelines.base import ModelNotFoundError
 
     args = build_parser().parse_args(argv)

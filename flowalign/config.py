@@ -22,8 +22,8 @@ import yaml
 from pipelines.attention import BACKENDS as ATTENTION_BACKENDS
 
 
-class ConfigError(ValueError):
-    """A configuration problem; the message names the key and where it came from."""
+from flowalign.errors import ConfigError  # noqa: E402  (re-exported: every check raises it)
+from flowalign.objectives.base import method_options  # noqa: E402  (importing it loads the registry)
 
 
 @dataclass
@@ -76,7 +76,7 @@ class SamplingConfig:
     window_stride: int = 1
     shared_group_noise: bool = False  # one initial noise per prompt group
     log_prob_reduction: str = "mean"  # mean | sum over latent elements
-    # masked discrete diffusion (model.family chess, flowalign/samplers/unmasking.py): how many
+    # masked discrete diffusion (model.family chess, pipelines/unmasking.py): how many
     # positions each of the num_steps steps unmasks (cosine | linear) and the sampling temperature
     # of the model's categoricals (training rescores at the same one); the log-prob is always the
     # sum over the newly unmasked positions, every step is stochastic and trained
@@ -109,7 +109,7 @@ class RewardConfig:
 
 
 @dataclass
-class TrainConfig:
+class _GeneralTrainConfig:
     epochs: int = 60
     max_minutes: Optional[float] = None  # also stop (evaluated and saved as usual) after this much training time
     groups_per_epoch: int = 8  # prompts per epoch per process
@@ -129,7 +129,6 @@ class TrainConfig:
     # group: (r − group mean) / std (GRPO); leave_one_out: (r − mean of the group's other samples) / group
     # std (masked DDPO, flowalign/objectives/masked_ddpo.py)
     advantage_baseline: str = "group"
-    entropy_coef: float = 0.0  # entropy bonus of masked DDPO (logits models): L − c_H·H of each step's categoricals
     # DanceGRPO: one advantage per weighted reward component, each with its own clipped objective
     per_reward_advantages: bool = False
     keep_extremes: int = 0  # best-of-N: train only on each group's k best and k worst samples (0 = all)
@@ -146,25 +145,18 @@ class TrainConfig:
     # another. Default (None): one shard per process. The same value on runs with different numbers
     # of processes (and the same global batch) makes them sample the same data (docs/distributed.md).
     rng_shards: Optional[int] = None
-    # DiffusionNFT (method: diffusion_nft; flowalign/objectives/diffusion_nft.py)
-    nft_beta: float = 1.0  # β: how far the implicit positive / negative policies sit from the old one
-    noise_draws: int = 4  # noising draws (distinct schedule σ's) per sample per minibatch
-    nft_old_decay_rate: float = 0.001  # the old policy's EMA decay after epoch e: min(max, rate·e)
-    nft_old_decay_max: float = 0.5
-    # every sample of a group gets the same noising draws (σ and ε) and a group trains in one
-    # minibatch: common random numbers. The NFT gradient is Σ_i (2r_i − 1)·(x0_i − x̂0_i), and the ε
-    # part of x̂0 is then shared, so it cancels against the group's centred r instead of adding noise.
-    nft_shared_noising: bool = False
-    # GDRO (method: gdro; flowalign/objectives/gdro.py): implicit-reward scale, target temperature,
-    # weight of the flow-matching loss on each group's best sample
-    gdro_beta: float = 6.0
-    gdro_tau: float = 0.05
-    gdro_gamma: float = 0.5
+
+
+@dataclass
+class TrainConfig(*reversed(method_options()), _GeneralTrainConfig):
+    """``train:``: the options above, then the methods' own (e.g. ``nft_beta``, ``gdro_tau``,
+    ``noise_draws``, ``entropy_coef``), defined, documented and checked in their objective's file
+    (the dataclasses its class names in ``options``) and joined here under the same keys."""
 
 
 @dataclass
 class ExploreConfig:
-    # EXPLORENET (flowalign/explorenet.py): none (isotropic) | shape (learned per-element std, total fixed) |
+    # EXPLORENET (flowalign/experimental/explorenet.py): none (isotropic) | shape (learned per-element std, total fixed) |
     # magnitude (learned per-step scale only: the ablation) | both
     mode: str = "none"
     learning_rate: float = 1e-3
@@ -173,7 +165,7 @@ class ExploreConfig:
 
 @dataclass
 class RoutingConfig:
-    """DiffusionNFT on joint audio-video models (flowalign/objectives/av_routing.py); needs
+    """DiffusionNFT on joint audio-video models (flowalign/experimental/av_routing.py); needs
     method diffusion_nft, an audio_video family and train.per_reward_advantages."""
 
     # (ii) each reward trains the branches it concerns (component → [video] | [audio] | [video, audio];
@@ -253,11 +245,7 @@ CHOICES = {
     "train.mixed_precision": ("no", "fp16", "bf16"),
     "tracker": ("tensorboard", "wandb", "none"),
     "reward.on_error": ("raise", "nan"),
-    # flow_grpo, dance_grpo and ddpo share the clipped-ratio loss over stochastic steps (dance_grpo
-    # without KL; ddpo on the DDIM steps of sd / sdxl and on the unmasking steps of chess);
-    # diffusion_nft trains on the forward process
-    "method": ("flow_grpo", "dance_grpo", "ddpo", "diffusion_nft", "gdro"),
-}
+}  # method: one of the registered objectives (flowalign/objectives/base.py), checked by check_values
 
 
 def _type_name(tp) -> str:
@@ -420,47 +408,29 @@ def check_values(config: RunConfig, where: str = "config") -> None:
         ("train.rng_shards", t.rng_shards is None or t.rng_shards >= 1, "must be ≥ 1 (or null: one per process)"),
         ("sampling.num_steps", s.num_steps >= 2, "must be ≥ 2 (the last step is never trained)"),
         ("eval.num_steps", config.eval.num_steps is None or config.eval.num_steps >= 1, "must be ≥ 1 (or null)"),
-        ("sampling.eta", s.eta > 0 or config.method in ("diffusion_nft", "gdro"),
-         "must be > 0 to train with log-probabilities (η = 0 is ODE sampling; diffusion_nft and gdro allow it)"),
-        ("train.train_batch_size", (config.method != "gdro" and not t.nft_shared_noising)
-         or t.train_batch_size % t.group_size == 0,
-         "must be a multiple of train.group_size for gdro and train.nft_shared_noising (a minibatch holds whole groups)"),
-        ("train.gdro_tau", t.gdro_tau > 0, "must be > 0"),
-        ("explore.mode", config.explore.mode == "none" or config.method in ("flow_grpo", "dance_grpo"),
-         "needs a method that trains on SDE log-probabilities (flow_grpo, dance_grpo)"),
         ("sampling.eta", s.eta >= 0, "must be ≥ 0"),
         ("model.prompt_cache_size", config.model.prompt_cache_size >= 0, "must be ≥ 0 (0 = no cache)"),
         ("model.offload_text_encoders", not config.model.offload_text_encoders or config.model.prompt_cache_size > 0,
          "needs model.prompt_cache_size > 0 (without a cache every step would move the encoders)"),
-        ("routing", not (config.routing.reweight or config.routing.influence) or config.method == "diffusion_nft",
-         "reweight / influence need method diffusion_nft"),
-        ("routing.reweight", not config.routing.reweight or t.per_reward_advantages,
-         "needs train.per_reward_advantages=true (one advantage per reward, routed per branch)"),
-        ("routing.floor_gate", config.routing.floor_gate in ("none", "all", "conflicts"), "must be none, all or conflicts"),
-        ("routing.floor_gate", config.routing.floor_gate == "none"
-         or (config.routing.reweight and config.routing.floor_strength > 0),
-         "needs routing.reweight=true and routing.floor_strength > 0 (it acts while a reward is below its floor)"),
-        ("routing.concerns", set(config.routing.concerns) <= set(config.reward.weights),
-         f"names components that reward.weights does not weight: {sorted(set(config.routing.concerns) - set(config.reward.weights))}"),
-        ("routing.concerns", all(b and set(b) <= {"video", "audio"} for b in config.routing.concerns.values()),
-         "each component's branches must be a non-empty subset of [video, audio]"),
         ("sampling.window_shift_every", s.window_shift_every >= 0, "must be ≥ 0 (0 = no sliding window)"),
         ("sampling.window_stride", s.window_stride >= 1, "must be ≥ 1"),
-        ("train.nft_beta", t.nft_beta > 0, "must be > 0"),
-        ("train.kl_beta", config.method != "dance_grpo" or t.kl_beta == 0,
-         "must be 0 for dance_grpo (no reference model); use method=flow_grpo for a KL"),
         ("train.keep_extremes", t.keep_extremes >= 0 and 2 * t.keep_extremes <= t.group_size,
          "must be between 0 and group_size / 2"),
         ("train.per_reward_advantages", not (t.per_reward_advantages and t.per_prompt_stats),
          "cannot be combined with train.per_prompt_stats"),
-        ("train.noise_draws", 1 <= t.noise_draws <= s.num_steps, "must be between 1 and sampling.num_steps"),
-        ("train.nft_old_decay_max", 0 <= t.nft_old_decay_max < 1, "must be in [0, 1)"),
         ("model.lora_rank", config.model.lora_rank >= 0, "must be ≥ 0 (0 = full fine-tuning)"),
         ("sampling.temperature", s.temperature > 0, "must be > 0"),
-        ("train.entropy_coef", t.entropy_coef >= 0, "must be ≥ 0"),
         ("train.advantage_baseline", t.advantage_baseline == "group" or not (t.per_prompt_stats or t.global_std),
          "leave_one_out cannot be combined with train.per_prompt_stats or train.global_std"),
     ]
+    from flowalign import experimental
+    from flowalign.objectives.base import OBJECTIVES, methods
+
+    if config.method not in methods():
+        raise ConfigError(f"{source_of(config, 'method', where)}: method must be one of {', '.join(methods())}, got {config.method!r}")
+    for cls in OBJECTIVES[config.method]:  # each method's own rules, then the experimental extras'
+        rules += cls.validate(config)
+    rules += experimental.rules(config)
     for key, ok, message in rules:
         if not ok:
             raise ConfigError(f"{source_of(config, key, where)}: {key} {message}")

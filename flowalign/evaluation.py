@@ -1,8 +1,11 @@
 """Comparable evaluation of policies: which weights to load, fixed-seed ODE samples, reward tables.
 
 A *policy* is a label and a folder of trained weights (``None`` = the base model). Every policy
-samples every (prompt, seed) from the same initial noise (``torch.Generator().manual_seed(seed)``),
-so a cell of a grid or a row of a table differs between policies only through the weights.
+samples every (prompt, seed) from the same initial noise, so a cell of a grid or a row of a table
+differs between policies only through the weights. ``evaluate`` (``flowalign eval``) draws it as
+a run's own evaluation does (``held_out_noise``), so it reproduces a run's held-out numbers;
+``grid`` and ``sample`` seed each seed's noise with ``manual_seed(seed)``, so a grid cell and a
+``sample`` of the same prompt and seed agree.
 
 ``evaluate`` appends one JSON line per scored sample to ``samples.jsonl`` as it goes and skips
 what is already there, so an interrupted evaluation resumes where it stopped; ``summary.json`` and
@@ -41,7 +44,7 @@ def resolve_policies(specs: list[str]) -> list[Policy]:
     checkpoint in order, then ``final/``, which stands for the last checkpoint of a finished run).
     Labels are short and unique: ``base``, ``epoch-20``, ``final``; ``LABEL=FOLDER`` names a
     policy (a run's policies become ``LABEL/epoch-20``, ``LABEL/final``)."""
-    from flowalign.trainer import checkpoint_folders
+    from flowalign.checkpoint import checkpoint_folders
 
     policies = []
     for spec in specs:
@@ -101,6 +104,39 @@ def load_policy(policy: Policy, model: str, family: str = "sd3", **loading):
     return load_adapter(family, model, trained=policy.weights, **loading)
 
 
+EVAL_SEED = 20_241_202  # every held-out sample's noise comes from it: before/after and policies are paired
+
+
+def held_out_noise(adapter, count: int) -> torch.Tensor:
+    """The noise convention of every evaluation (in-run and ``flowalign eval``):
+    held-out sample k starts from row k of ``adapter.initial_noise(count, generator seeded
+    EVAL_SEED)``. Prompt i's seed s is sample ``i·S + s`` for S seeds per prompt (seeds 0 … S − 1),
+    so ``flowalign eval --seeds 0,…,S−1`` draws exactly what a run's evaluation with
+    ``eval.seeds: S`` draws on the same prompts."""
+    return adapter.initial_noise(count, torch.Generator().manual_seed(EVAL_SEED))
+
+
+@torch.no_grad()
+def ode_samples(adapter, encode, prompts: list[str | dict], noise: torch.Tensor, steps: int, guidance: float,
+                batch_size: int) -> torch.Tensor:
+    """The one held-out sampler: ODE (η = 0) final latents [len(prompts), ...] from ``noise``
+    [len(prompts), ...], ``batch_size`` at a time; ``encode``: the adapter's, or a prompt cache. A
+    prompt may be a record (a dict with "prompt" and, for image-conditioned families, "image")."""
+    from flowalign.rollout import rollout
+    from flowalign.samplers.steps import plan_steps
+    from pipelines.base import encode_records
+
+    schedule = adapter.schedule(steps)
+    latents = []
+    for lo in range(0, len(prompts), batch_size):
+        sub = prompts[lo:lo + batch_size]
+        cond = encode_records(encode, [p if isinstance(p, dict) else {"prompt": p} for p in sub])
+        traj = rollout(adapter, cond, noise[lo:lo + len(sub)], schedule, plan_steps(steps, len(sub), 0.0),
+                       guidance_scale=guidance)
+        latents.append(traj.samples)
+    return torch.cat(latents)
+
+
 def sample_images(adapter, prompts: list[str], seeds: list[int], steps: int, guidance: float,
                   batch_size: int = 16) -> torch.Tensor:
     """ODE samples, images float [len(prompts)·len(seeds), 3, H, W] in [0, 1], row-major (prompt, seed)."""
@@ -110,20 +146,18 @@ def sample_images(adapter, prompts: list[str], seeds: list[int], steps: int, gui
 @torch.no_grad()
 def sample_pairs(adapter, pairs: list[tuple[str | dict, int]], steps: int, guidance: float,
                  batch_size: int = 16) -> torch.Tensor:
-    """One ODE sample per (prompt, seed): images float [len(pairs), 3, H, W] in [0, 1]. A prompt may
-    be a prompt record (a dict; its "image" conditions an image-conditioned family)."""
-    from flowalign.rollout import rollout
-    from flowalign.samplers.steps import plan_steps
-    from pipelines.base import encode_records
+    """One ODE sample per (prompt, seed) for ``grid`` and ``sample``: a seed's noise is
+    ``initial_noise(1, manual_seed(seed))`` whatever the prompt, so a grid cell and ``flowalign
+    sample`` of the same prompt and seed agree. A prompt may be a prompt record (a dict; its "image"
+    conditions an image-conditioned family). Decoded samples [len(pairs), ...]."""
+    noise = torch.cat([adapter.initial_noise(1, torch.Generator().manual_seed(s)) for _, s in pairs])
+    return _decoded(adapter, [p for p, _ in pairs], noise, steps, guidance, batch_size)
 
-    out = []
-    for lo in range(0, len(pairs), batch_size):
-        chunk = pairs[lo:lo + batch_size]
-        cond = encode_records(adapter.encode, [p if isinstance(p, dict) else {"prompt": p} for p, _ in chunk])
-        noise = torch.cat([adapter.initial_noise(1, torch.Generator().manual_seed(s)) for _, s in chunk])
-        traj = rollout(adapter, cond, noise, adapter.schedule(steps), plan_steps(steps, len(chunk), 0.0),
-                       guidance_scale=guidance)
-        out.append(adapter.decode(traj.samples))
+
+def _decoded(adapter, prompts: list[str | dict], noise: torch.Tensor, steps: int, guidance: float, batch_size: int):
+    out = [adapter.decode(ode_samples(adapter, adapter.encode, prompts[lo:lo + batch_size],
+                                      noise[lo:lo + batch_size], steps, guidance, batch_size))
+           for lo in range(0, len(prompts), batch_size)]
     # decoded samples that are not one tensor (pipelines.joint.AudioVideoSamples) concatenate themselves
     return torch.cat(out) if isinstance(out[0], torch.Tensor) else type(out[0]).cat(out)
 
@@ -156,9 +190,11 @@ def evaluate(policies: list[Policy], records: list[dict], rewards: dict, out_dir
             if not mine:
                 continue
             adapter = load_policy(policy, model, family, **(loading or {}))
+            noise = held_out_noise(adapter, len(records) * (max(seeds) + 1))
             for lo in range(0, len(mine), batch_size):
                 chunk = mine[lo:lo + batch_size]
-                images = sample_pairs(adapter, [(records[i], s) for i, s in chunk], steps, guidance)
+                rows = [i * (max(seeds) + 1) + s for i, s in chunk]  # held_out_noise's convention
+                images = _decoded(adapter, [records[i] for i, _ in chunk], noise[rows], steps, guidance, batch_size)
                 subset = [records[i] for i, _ in chunk]
                 scores = {}
                 for name, reward in rewards.items():

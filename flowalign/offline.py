@@ -1,6 +1,5 @@
-"""Offline groups for GDRO: generate once with the reference model, train on them without sampling.
-
-``flowalign generate-groups CONFIG`` writes ``data.offline_groups``::
+"""Offline groups for GDRO: the folder ``flowalign generate-groups`` writes (``flowalign/group_generation.py``)
+and the epoch sampler's "offline" rollouts read (``load_groups``). ``data.offline_groups``::
 
     index.json                  groups, group_size, seconds, what generated them (model, sampler, seed)
     part-r{rank}-{n}.safetensors  samples [g, k, ...] (final latents), noise [g, k, ...] (initial
@@ -15,56 +14,12 @@ training reads them (``reward.weights`` can change without regenerating).
 from __future__ import annotations
 
 import json
-import math
-import os
-import shutil
-import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
+from safetensors.torch import load_file
 
-from flowalign.config import ConfigError, RunConfig, to_dict
-
-
-def generate_groups(config: RunConfig, groups: int) -> Path:
-    """Sample ``groups`` prompt groups of ``train.group_size`` with the untrained policy (the
-    reference: a fresh LoRA is the identity) and the config's sampler; score and save them."""
-    from flowalign.trainer import Trainer
-
-    if not config.data.offline_groups:
-        raise ConfigError("config: data.offline_groups must name the folder to write the groups to")
-    trainer = Trainer(config)
-    acc, t = trainer.accelerator, config.train
-    out = Path(config.data.offline_groups)
-    tmp = out.with_name(out.name + ".tmp")
-    if acc.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    acc.wait_for_everyone()
-    chunks = math.ceil(groups / t.groups_per_epoch)
-    start = time.time()
-    k = t.group_size
-    for chunk in tqdm(range(chunks), desc="groups", disable=not acc.is_main_process):
-        batch = trainer.sample_epoch()
-        g = len(batch.specs) // k
-        tensors = {"samples": batch.traj.samples.reshape(g, k, *batch.traj.samples.shape[1:]).cpu().contiguous(),
-                   "noise": batch.traj.latents[:, 0].reshape(g, k, *batch.traj.samples.shape[1:]).cpu().contiguous()}
-        tensors.update({f"reward.{name}": v.reshape(g, k).contiguous() for name, v in batch.components.items()})
-        name = f"part-r{acc.process_index}-{chunk:05d}"
-        save_file(tensors, tmp / f"{name}.safetensors")
-        records = [{key: v for key, v in batch.specs[i * k].items() if key != "group_id"} for i in range(g)]
-        (tmp / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    acc.wait_for_everyone()
-    if acc.is_main_process:
-        index = {"groups": chunks * t.groups_per_epoch * acc.num_processes, "group_size": k,
-                 "seconds": time.time() - start, "processes": acc.num_processes, "config": to_dict(config)}
-        (tmp / "index.json").write_text(json.dumps(index, indent=2))
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-    acc.wait_for_everyone()
-    return out
+from flowalign.errors import ConfigError
 
 
 def load_groups(folder: str | Path | None, group_size: int) -> dict:

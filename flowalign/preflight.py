@@ -17,40 +17,30 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import types
 from pathlib import Path
 
 import torch
 
 from flowalign.config import ConfigError, RunConfig, check_values, source_of
 
-# the methods that train on log-probabilities of ε-prediction (DDIM) or masked-diffusion steps
-EPSILON_OR_LOGITS_METHODS = ("ddpo",)
+def family_prediction(family: str) -> str | None:
+    """The ``prediction`` of a family's adapter class (None for an unknown family: the error comes
+    when the adapter is looked up)."""
+    from pipelines import adapter_class
+
+    try:
+        return adapter_class(family).prediction
+    except KeyError:
+        return None
 
 
-def check_method_family(method: str, family: str, prediction: str, where: str = "config") -> None:
-    """ddpo for ε-prediction (sd, sdxl) and masked-diffusion (chess) families, any other method for
-    flow (velocity) families. ``where``: the file or override the method came from."""
-    if (prediction in ("epsilon", "logits")) != (method in EPSILON_OR_LOGITS_METHODS):
-        raise ConfigError(f"{where}: method {method!r} does not apply to model family {family!r} "
-                          f"({prediction} prediction): use ddpo for sd / sdxl / chess, any other method for "
-                          "flow models")
+def check_method_family(method: str, family: str, prediction: str):
+    """The objective class of ``method`` for this family (flowalign/objectives/base.py: each
+    objective names the predictions it trains); ConfigError naming both when there is none. Then
+    the objective's rules for the family."""
+    from flowalign.objectives.base import objective_class
 
-
-def check_discrete(config: RunConfig) -> None:
-    """What masked discrete diffusion (the chess family) does not support."""
-    t, s = config.train, config.sampling
-    problems = [
-        ("method", config.method == "ddpo", f"must be ddpo for a masked-diffusion family ({config.model.family!r}), "
-                                            f"got {config.method!r}"),
-        ("sampling.step_mode", s.step_mode == "all", "must be all for masked diffusion (every unmasking step is "
-                                                     "sampled from the policy and trained)"),
-        ("train.per_reward_advantages", not t.per_reward_advantages,
-         "is not supported for masked diffusion (one advantage per sample)"),
-    ]
-    for key, ok, message in problems:
-        if not ok:
-            raise ConfigError(f"{source_of(config, key)}: {key} {message}")
+    return objective_class(method, family, prediction)
 
 
 def adapter_for(config: RunConfig):
@@ -73,10 +63,14 @@ def check_model(config: RunConfig):
         check_folder_family(m.family, m.path)
     except ValueError as error:
         raise ConfigError(f"{source_of(config, 'model.family')}: model.family: {error}") from None
-    prediction = getattr(cls, "prediction", "velocity")
-    check_method_family(config.method, m.family, prediction, source_of(config, "method"))
-    if prediction == "logits":
-        check_discrete(config)
+    prediction = cls.prediction
+    from flowalign.objectives.base import check
+
+    try:
+        objective = check_method_family(config.method, m.family, prediction)
+    except ConfigError as error:  # name the override that set the method, when one did
+        raise ConfigError(f"{source_of(config, 'method')}:{str(error).split(':', 1)[1]}") from None
+    check(objective.validate_family(config), config=config)
     for key, value in m.kwargs.items():
         try:
             check_adapter_options(m.family, {key: value})
@@ -85,7 +79,7 @@ def check_model(config: RunConfig):
     if m.gradient_checkpointing and not getattr(cls, "supports_gradient_checkpointing", True):
         raise ConfigError(f"{source_of(config, 'model.gradient_checkpointing')}: model.gradient_checkpointing is not "
                           f"supported by the {m.family!r} family; set it to false")
-    if config.explore.mode != "none" and prediction != "velocity":  # Trainer._build_explorer checks it again, loaded
+    if config.explore.mode != "none" and prediction != "velocity":  # the explorer hook checks it again, loaded
         raise ConfigError(f"{source_of(config, 'explore.mode')}: explore.mode needs a flow model (its SDE steps); DDIM "
                           "has no exploration net")
     return cls
@@ -139,10 +133,60 @@ def check_rewards(config: RunConfig, adapter_cls=None) -> None:
         reward_arguments(extra, {}, name, f"eval.extra_rewards[{i}] (no options can be given)")
         extras.append(extra)
     if adapter_cls is not None:
-        from flowalign.trainer import Trainer
-
         # the trainer's check reads ``modality`` off the built rewards; a class carries the same attribute
-        Trainer._check_modality(types.SimpleNamespace(config=config, reward=factory, extra_rewards=extras))
+        check_modality(config, factory, extras)
+
+
+def check_reward_components(config: RunConfig, reward) -> None:
+    """``reward.weights`` names only components the built reward declares (undeclared: any)."""
+    declared = getattr(reward, "components", ())
+    unknown = sorted(set(config.reward.weights) - set(declared)) if declared else []
+    if unknown:
+        raise ConfigError(f"config: reward.weights names {unknown}, but reward {config.reward.name!r} "
+                          f"returns {list(declared)}")
+
+
+def check_modality(config: RunConfig, reward, extra_rewards) -> None:
+    """The model's output (the adapter class's ``modality``: image, video, audio_video) against
+    ``model.num_frames`` (video and audio_video families only) and against each reward's declared
+    ``modality`` (undeclared: accepted), before the model loads. An image reward on a video family
+    is pointed to the per-frame wrapper that scores it on every frame."""
+    from pipelines import adapter_class
+
+    cfg = config
+    made = getattr(adapter_class(cfg.model.family), "modality", "image")
+    if cfg.model.num_frames is not None and made == "image":
+        raise ConfigError(f"config: model.num_frames is for video and audio-video families (wan, ltx2, "
+                          f"av_demo); {cfg.model.family!r} makes single images: remove it")
+    rewards = [("reward.name", cfg.reward.name, reward),
+               *(("eval.extra_rewards", n, r) for n, r in zip(cfg.eval.extra_rewards, extra_rewards))]
+    for key, name, reward in rewards:
+        scores = getattr(reward, "modality", None)
+        if scores is None or scores == made:
+            continue
+        hint = ""
+        if scores == "image" and made == "video":
+            hint = (f": score every frame with reward.name=per_frame and reward.kwargs={{reward: {name}}} "
+                    "(reward_models/video.py)" if key == "reward.name" else
+                    " (an extra reward takes no options, so it cannot be wrapped in per_frame: name a video reward)")
+        label = f"reward {name!r}" if key == "reward.name" else f"eval.extra_rewards: {name!r}"
+        raise ConfigError(f"config: {label} scores {scores.replace('_', '-')}s, model family "
+                          f"{cfg.model.family!r} makes {made.replace('_', '-')}s{hint}")
+
+
+def check_loaded_adapter(config: RunConfig, adapter, objective_cls) -> None:
+    """What only the loaded adapter tells: its prediction fits the method, and a model that samples
+    in an order only ODE rollouts follow (``pipelines.base.SamplingOrder``) is trained by an
+    objective with ODE rollouts at η = 0."""
+    from pipelines.base import ode_only
+
+    m = config.model
+    check_method_family(config.method, m.family, adapter.prediction)
+    if ode_only(adapter) and (objective_cls.rollout != "ode" or config.sampling.eta > 0):
+        raise ConfigError(f"config: this {m.family} model samples video-first (its pipeline's sampling_order), "
+                          f"which only DiffusionNFT with ODE rollouts trains (sampling.eta: 0); got method "
+                          f"{config.method!r}, sampling.eta {config.sampling.eta}: use method: diffusion_nft "
+                          f"with sampling.eta=0, or a model with sampling_order joint")
 
 
 def check_prompt_sets(config: RunConfig, missing_ok: bool = False) -> None:
@@ -216,7 +260,7 @@ def dry_run(config: RunConfig, recipe: str | None = None) -> str:
 
 def _method_text(config: RunConfig, cls) -> str:
     s = config.sampling
-    prediction = getattr(cls, "prediction", "velocity")
+    prediction = cls.prediction
     if prediction == "velocity":
         step = f"{s.sde} SDE step, η={s.eta:g}"
     elif prediction == "epsilon":
@@ -346,7 +390,7 @@ def _data_lines(config: RunConfig, warnings: list[str]) -> list[tuple[str, str]]
     if d.offline_groups:
         there = Path(d.offline_groups).is_dir()
         lines.append(("offline groups", f"{d.offline_groups} ({'present' if there else 'absent'})"))
-        if not there and config.method == "gdro":
+        if not there and _rollout(config) == "offline":
             warnings.append(f"data.offline_groups {d.offline_groups} does not exist: run `flowalign generate-groups` "
                             "with this recipe first")
     return lines
@@ -370,9 +414,12 @@ def _batch_lines(config: RunConfig, cls) -> list[tuple[str, str]]:
     t, s = config.train, config.sampling
     samples = t.groups_per_epoch * t.group_size
     updates = math.ceil(samples / t.train_batch_size) * t.inner_epochs
-    if getattr(cls, "prediction", "velocity") == "logits":
+    from flowalign.objectives.base import objective_class
+
+    rollout = objective_class(config.method, config.model.family, cls.prediction).rollout
+    if rollout == "unmasking":
         trained = "the unmasking steps that unmask a position"
-    elif config.method in ("diffusion_nft", "gdro"):
+    elif rollout in ("ode", "offline"):
         trained = f"{t.noise_draws} noising draws per sample (forward process)"
     else:
         plan = plan_steps(s.num_steps, 1, s.eta, s.step_mode, fraction=s.fraction, window_size=s.window_size,
@@ -385,3 +432,9 @@ def _batch_lines(config: RunConfig, cls) -> list[tuple[str, str]]:
             ("optimizer", f"AdamW lr {t.learning_rate:g}, weight decay {t.weight_decay:g}, clip range "
                           f"{t.clip_range:g}, KL β {t.kl_beta:g}, max grad norm {t.max_grad_norm:g}, "
                           f"{t.epochs} epochs" + (f", EMA {t.ema_decay:g}" if t.ema_decay else ""))]
+
+
+def _rollout(config: RunConfig) -> str:
+    from flowalign.objectives.base import OBJECTIVES, methods
+
+    return OBJECTIVES[config.method][0].rollout if config.method in methods() else ""

@@ -15,15 +15,15 @@ def load_prompts(source: str) -> list[dict]:
     """``"shapes:train"`` / ``"shapes:test"`` / ``"shapes:all"``, ``"chess:train"`` /
     ``"chess:test"`` (theme requests, ``flowalign.chess.requests``; ``chess:<split>:<model folder>``
     for another model's split), ``"av:train"`` / ``"av:test"`` / ``"av:all"`` (the audio-video
-    world, ``flowalign.worlds.audio_video``), a ``.txt`` file (one prompt per line), a ``.jsonl`` file (one
+    world, ``reward_models.worlds.audio_video``), a ``.txt`` file (one prompt per line), a ``.jsonl`` file (one
     record per line with a "prompt" key) or a ``.csv`` file (a header row naming a "prompt" column;
     every column becomes a key of the record)."""
     if source.startswith("shapes:"):
-        from flowalign.worlds.shapes import prompt_split
+        from reward_models.worlds.shapes import prompt_split
 
         return prompt_split(source.split(":", 1)[1])
     if source.startswith("av:"):
-        from flowalign.worlds.audio_video import prompt_split as av_split
+        from reward_models.worlds.audio_video import prompt_split as av_split
 
         return av_split(source.split(":", 1)[1])
     if source.startswith("chess:"):

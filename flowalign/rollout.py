@@ -77,7 +77,7 @@ def transition(adapter, x, step: int, schedule: Schedule, eta, cond, guidance_sc
     of ``FLOW_SDE_STEPS`` (flow_grpo | cps | dance_grpo), or the Euler step at η = 0.
     ``std_scale`` [B, ...]: a per-element multiplier of the SDE std (EXPLORENET; flow SDEs only)."""
     out = adapter.predict(x, schedule.timesteps[step], cond, guidance_scale, model=model)
-    if getattr(adapter, "prediction", "velocity") == "epsilon":
+    if adapter.prediction == "epsilon":
         if std_scale is not None:
             raise ValueError("a per-element exploration std is defined for the flow SDEs, not for DDIM")
         return ddim_step(out, x, schedule.alphas_cumprod[step], schedule.alphas_cumprod_prev[step], eta,
@@ -105,7 +105,7 @@ def rollout(adapter, cond: Conditioning, noise: torch.Tensor, schedule: Schedule
     steps = schedule.num_steps
     if len(plan.noise_levels) != steps:
         raise ValueError(f"plan has {len(plan.noise_levels)} steps, schedule {steps}")
-    if getattr(adapter, "prediction", "velocity") == "epsilon" and schedule.alphas_cumprod is None:
+    if adapter.prediction == "epsilon" and schedule.alphas_cumprod is None:
         raise ValueError("an ε-prediction rollout needs a schedule with alphas_cumprod (the adapter's)")
     x = noise.float()
     latents, log_probs, scales, draws = [x], torch.zeros(x.shape[0], steps), [], []

@@ -1,7 +1,7 @@
 """The built-in joint audio-video denoiser: two token streams with bidirectional cross-attention.
 
 Inputs: the clip itself as tokens, no VAE: video pixels [B, F, 3, H, W] scaled to [−1, 1] and the
-waveform [B, T] as it is (the layout of ``flowalign.worlds.audio_video``), noised by rectified
+waveform [B, T] as it is (the layout of ``reward_models.worlds.audio_video``), noised by rectified
 flow; the joint latent of ``pipelines/joint.py`` is the two token sequences flattened. At
 8 × 16 × 16 RGB + 512 samples a clip is 6,656 numbers: as tokens (below) that is 160 tokens, which
 a small transformer attends over in full on a CPU; a VAE would add a second model to train and a

@@ -12,7 +12,7 @@ import contextlib
 import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ContextManager, Protocol
+from typing import ContextManager, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -95,16 +95,30 @@ def encode_records(encode, records: list[dict]) -> Conditioning:
 
 
 class Adapter(Protocol):
-    """One model family. ``prediction`` is "velocity" (flow matching), "epsilon" or "logits".
-    ``modality`` (optional class attribute, "image" when absent): "video" for a family whose
-    ``decode`` returns frames float [B, F, 3, H, W] and whose constructor takes ``num_frames``;
-    "audio_video" for a joint family (ltx2): x is the joint latent [B, D] of ``pipelines/joint.py``
-    (video tokens then audio tokens, flattened; the adapter's ``joint_layout`` and ``branch_masks()``
-    bool [2, D] say which element is which), and ``decode`` returns ``pipelines.joint.AudioVideoSamples``
-    (video float [B, F, 3, H, W] in [0, 1], audio float [B, A, T] in [-1, 1] with A channels, ``.mono``
-    [B, T], sample_rate, fps): what its rewards receive. Its constructor takes ``num_frames`` too."""
+    """One model family, as the training loop uses it (``flowalign/trainer.py`` and the
+    components it calls). ``prediction`` is "velocity" (flow matching), "epsilon" or "logits".
+    ``modality`` (class attribute, "image" when absent): "video" for a family whose ``decode``
+    returns frames float [B, F, 3, H, W] and whose constructor takes ``num_frames``;
+    "audio_video" for a joint family (ltx2, av_demo): x is the joint latent [B, D] of
+    ``pipelines/joint.py`` (video tokens then audio tokens, flattened; see ``JointAudioVideo``),
+    and ``decode`` returns ``pipelines.joint.AudioVideoSamples`` (video float [B, F, 3, H, W] in
+    [0, 1], audio float [B, A, T] in [-1, 1] with A channels, ``.mono`` [B, T], sample_rate, fps):
+    what its rewards receive. Its constructor takes ``num_frames`` too.
+
+    ε-prediction adapters also carry ``prediction_type`` and ``clip_sample_range`` (what the DDIM
+    step reads); logits adapters ``initial_state(cond)`` (the masked start, ``Unmasking``).
+
+    **Conditioning keys** (``encode``'s ``Conditioning.tensors``; every tensor [B, ...]): the
+    adapter owns its keys, and only it reads them, with one convention the core relies on: a
+    family with a pooled prompt vector names it ``"pooled"`` [B, P], and a family with token
+    embeddings names them ``"embeds"`` [B, L, D] (sd, sdxl, sd3, flux, wan; sdxl adds
+    ``"time_ids"``); a per-prompt vector for a learned helper (EXPLORENET) is ``"pooled"``, else
+    the mean of ``"embeds"`` over tokens. Other families use keys of their own (av_demo:
+    ``"text"``, ``"pooled"``; ltx2: ``"video_embeds"``, ``"audio_embeds"``, ``"mask"``; chess:
+    ``"themes"``, ``"fixed"``)."""
 
     prediction: str
+    model: nn.Module  # the denoiser (put in eval mode while sampling)
 
     def encode(self, prompts: list[str]) -> Conditioning: ...  # image-conditioned families: (prompts, images=)
 
@@ -112,7 +126,9 @@ class Adapter(Protocol):
 
     def schedule(self, num_steps: int) -> Schedule: ...
 
-    def predict(self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance_scale: float) -> torch.Tensor: ...
+    def predict(self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, guidance_scale: float,
+                model: nn.Module | None = None) -> torch.Tensor:
+        """The model's output at x; ``model``: the module to run (the training wrapper), default its own."""
 
     def decode(self, x0: torch.Tensor) -> torch.Tensor: ...
 
@@ -120,7 +136,63 @@ class Adapter(Protocol):
 
     def reference(self) -> ContextManager: ...
 
+    def add_lora(self, rank: int, alpha: float | None, targets: list[str] | None) -> None: ...
+
+    def enable_full_finetune(self, keep_reference: bool) -> None: ...
+
+    def enable_gradient_checkpointing(self) -> None: ...
+
+    def trained_state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def load_trained_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
     def save_trained(self, directory: str | Path) -> None: ...
+
+
+# -- optional capabilities: checked once (flowalign/preflight.py), never probed in the loop --------
+@runtime_checkable
+class JointAudioVideo(Protocol):
+    """A joint audio-video latent: ``joint_layout`` (``pipelines.joint.JointLayout``) and
+    ``branch_masks()`` bool [2, D] (video, audio)."""
+
+    joint_layout: object
+
+    def branch_masks(self) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class CrossModalAttention(Protocol):
+    """Cross-modal attention modules that can be named and recorded during a forward pass."""
+
+    def cross_modal_attention(self) -> dict[str, tuple[str, nn.Module]]: ...
+
+    def record_cross_modal(self, maps: bool = True, model: nn.Module | None = None): ...
+
+
+@runtime_checkable
+class NoisesForward(Protocol):
+    """Forward noising of the adapter's own (per-stream noise levels: av_demo's video-first order):
+    ``forward_noised(x0, noise, sigma) → (x0 as the loss compares it, x_t, sigma)``."""
+
+    def forward_noised(self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor): ...
+
+
+@runtime_checkable
+class SamplingOrder(Protocol):
+    """``ode_only``: True when the model samples in an order only ODE rollouts can follow (video-first)."""
+
+    ode_only: bool
+
+
+@runtime_checkable
+class Unmasking(Protocol):
+    """Masked discrete diffusion (``prediction == "logits"``): the masked start of a rollout."""
+
+    def initial_state(self, cond: Conditioning) -> torch.Tensor: ...
+
+
+def ode_only(adapter) -> bool:
+    return isinstance(adapter, SamplingOrder) and bool(adapter.ode_only)
 
 
 class ModelNotFoundError(FileNotFoundError):

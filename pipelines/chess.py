@@ -1,10 +1,10 @@
 """The chess-puzzle family: a masked-diffusion pipeline of boards and its RL adapter.
 
-State x: long [B, L] board tokens of ``flowalign.chess.tokenizer`` (L = 73; ``MASK_ID`` where
+State x: long [B, L] board tokens of ``pipelines.chess_tokenizer`` (L = 73; ``MASK_ID`` where
 not yet generated). ``ChessPuzzlePipeline`` generates boards + best moves from theme requests,
 optionally around a partial board (fixed tokens kept: inpainting). ``ChessAdapter`` is the same
 model as the RL core sees it: ``prediction = "logits"``, so a trainer samples it with
-``flowalign.samplers.unmasking.rollout`` and trains it with ``objectives.masked_ddpo``.
+``pipelines.unmasking.rollout`` and trains it with ``objectives.masked_ddpo``.
 
 Classifier-free guidance (``guidance_scale`` g > 1) mixes log-probabilities, per position over
 its allowed tokens: log π_u + g·(log π_c − log π_u), with the unconditional branch the empty theme
@@ -22,8 +22,8 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 from torch import nn
 
-from flowalign.chess import tokenizer
-from flowalign.samplers.unmasking import rollout
+from pipelines import chess_tokenizer as tokenizer
+from pipelines.unmasking import rollout
 from pipelines.base import Conditioning, load_with_hub_fallback
 from pipelines.chess_model import ChessDiffusionModel
 from pipelines.denoiser import DenoiserAdapter, load_trained_weights, torch_dtype
@@ -106,7 +106,7 @@ class ChessPuzzlePipeline(DiffusionPipeline):
                  return_dict: bool = True):
         """themes: B requests (space-separated keys or lists; "" = unconditional; one string = one
         sample); partial: long [B, L] or [L] (``partial_tokens``; MASK where free), its tokens
-        kept as given. Schedule and temperature as in ``flowalign.samplers.unmasking``; the
+        kept as given. Schedule and temperature as in ``pipelines.unmasking``; the
         default 16 steps unmask ~4.6 positions per step on average."""
         themes = [themes] if isinstance(themes, str) else list(themes)  # one request, not its characters
         cond = themes_and_fixed(self.model, themes, partial)
@@ -189,7 +189,7 @@ class ChessAdapter(DenoiserAdapter):
 
     def schedule(self, num_steps: int):
         raise NotImplementedError("masked diffusion has no noise schedule: sample with "
-                                  "flowalign.samplers.unmasking.rollout (its plan is the schedule)")
+                                  "pipelines.unmasking.rollout (its plan is the schedule)")
 
     def initial_noise(self, batch: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """The fully masked state long [B, L] (nothing is random: the generator is unused)."""

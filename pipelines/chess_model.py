@@ -30,7 +30,7 @@ from diffusers.loaders.peft import PeftAdapterMixin
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
-from flowalign.chess import tokenizer
+from pipelines import chess_tokenizer as tokenizer
 
 # The themes the chess_puzzle reward's tagger can produce (reward_models.chess.themes
 # .SUPPORTED_THEMES at the time the demo model was trained; a test checks they still agree). A

@@ -15,7 +15,7 @@ as the sampler's ``reduction`` says) is over both modalities, each element count
 elementwise Euler / SDE steps on x are exactly the steps on the two modalities separately.
 
 Which element is which: ``JointLayout.masks()`` bool [2, D] (row 0 video, row 1 audio; they
-partition the elements: what ``flowalign/objectives/av_routing.py`` calls the branch masks),
+partition the elements: what ``flowalign/experimental/av_routing.py`` calls the branch masks),
 ``token_ids()`` long [D] (video tokens 0..N_v−1, audio tokens N_v..N_v+N_a−1), and
 ``expand_tokens`` turns per-token values (weights [B, N_v], [B, N_a]) into per-element ones [B, D].
 

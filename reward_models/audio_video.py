@@ -1,4 +1,4 @@
-"""Rewards of the audio-video world (``flowalign.worlds.audio_video``), exact and download-free.
+"""Rewards of the audio-video world (``reward_models.worlds.audio_video``), exact and download-free.
 
 Input: decoded audio-video samples, ``pipelines.joint.AudioVideoSamples`` (``.video`` float
 [B, F, 3, H, W] in [0, 1], ``.audio`` float [B, A, T] in [−1, 1]: channels are averaged to mono;
@@ -63,9 +63,9 @@ import math
 
 import torch
 
-from flowalign.worlds.audio_video import (BALL, BALL_AREA, BEEP_AMPLITUDE, PITCHES, SAMPLE_RATE, SAMPLES_PER_FRAME,
+from reward_models.worlds.audio_video import (BALL, BALL_AREA, BEEP_AMPLITUDE, PITCHES, SAMPLE_RATE, SAMPLES_PER_FRAME,
                                           SPEEDS, TRAVEL)
-from flowalign.worlds.shapes import BACKGROUND, COLORS
+from reward_models.worlds.shapes import BACKGROUND, COLORS
 from reward_models.base import Reward, register_reward
 
 PALETTE_TOL = 0.3  # RGB distance (channels in [0, 1]) at which a pixel's palette fidelity reaches 0
@@ -281,7 +281,7 @@ class AudioVideoReward(Reward):
     """The audio-video world's rewards (module docstring), one component each, plus their mean.
 
     >>> import random
-    >>> from flowalign.worlds.audio_video import clip_batch, prompt_split
+    >>> from reward_models.worlds.audio_video import clip_batch, prompt_split
     >>> video, audio, meta = clip_batch(prompt_split("test")[:2], random.Random(0))
     >>> out = AudioVideoReward()({"video": video, "audio": audio}, [m["prompt"] for m in meta], meta)
     >>> [round(v, 4) for v in out["sync"].tolist()], round(out["score"].min().item(), 4)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from scipy import ndimage
 
-from flowalign.worlds.shapes import BACKGROUND, COLORS, _relation_holds, relation_offset
+from reward_models.worlds.shapes import BACKGROUND, COLORS, _relation_holds, relation_offset
 from reward_models.base import Reward, register_reward
 
 SHAPE_TEMPERATURE = 0.05
@@ -134,7 +134,7 @@ class ShapesVerifier(Reward):
     """GenEval-style verifier for the built-in shapes world.
 
     >>> import random
-    >>> from flowalign.worlds.shapes import render_scene, prompt_split
+    >>> from reward_models.worlds.shapes import render_scene, prompt_split
     >>> spec = prompt_split("test")[0]
     >>> image = torch.from_numpy(np.array(render_scene(spec, random.Random(0)))).permute(2, 0, 1) / 255
     >>> ShapesVerifier()(image[None], [spec["prompt"]], [spec])["accuracy"].tolist()

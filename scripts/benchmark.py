@@ -23,7 +23,7 @@ from flowalign.config import load_config
 from flowalign.rollout import rollout
 from flowalign.samplers.steps import plan_steps
 from flowalign.trainer import Trainer
-from flowalign.worlds.shapes import prompt_split
+from reward_models.worlds.shapes import prompt_split
 from pipelines.sd3 import SD3Adapter
 
 

@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from flowalign.config import load_config
-from flowalign.trainer import Trainer, _prompt_vector
+from flowalign.experimental.explore_hook import prompt_vector as _prompt_vector
+from flowalign.trainer import Trainer
 
 MODES = ("none", "shape", "magnitude", "both")
 PROMPTS = ["a photo of a red circle and a blue square", "a photo of three triangles",
@@ -41,7 +42,7 @@ def noise_maps(trainer: Trainer, path: Path, steps=(0, 4, 8)) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    adapter, net = trainer.adapter, trainer.explorer
+    adapter, net = trainer.adapter, trainer.hooks[0].net
     cond = adapter.encode(PROMPTS)
     x = adapter.initial_noise(len(PROMPTS), torch.Generator().manual_seed(0))
     schedule = adapter.schedule(trainer.config.sampling.num_steps)
@@ -94,7 +95,7 @@ def main() -> None:
             "zero_spread_groups": [h["adv/zero_spread_groups"] for h in trainer.history],
             "group_std": [h["adv/group_std"] for h in trainer.history],
             "m_std": [h.get("explore/m_std", 0.0) for h in trainer.history],
-            "step_scales": trainer.explorer.log_magnitude.exp().tolist() if mode in ("magnitude", "both") else None,
+            "step_scales": trainer.hooks[0].net.log_magnitude.exp().tolist() if mode in ("magnitude", "both") else None,
             "evals": {k: {"epoch": v["epoch"], "accuracy": v["accuracy"],
                           "accuracy_category_mean": v["accuracy_category_mean"]} for k, v in summary["evals"].items()},
         }

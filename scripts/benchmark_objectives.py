@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from flowalign.config import load_config
-from flowalign.offline import generate_groups
+from flowalign.group_generation import generate_groups
 from flowalign.trainer import Trainer
 
 METHODS = {  # name → (recipe, overrides)

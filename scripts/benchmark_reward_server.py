@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from flowalign.worlds.shapes import prompt_split, render_scene
+from reward_models.worlds.shapes import prompt_split, render_scene
 from reward_models.base import build_reward
 from reward_models.remote import RemoteReward
 

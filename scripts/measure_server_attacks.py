@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from flowalign.worlds.shapes import prompt_split, render_scene
+from reward_models.worlds.shapes import prompt_split, render_scene
 
 HOST = "127.0.0.1"
 

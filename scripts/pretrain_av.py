@@ -1,6 +1,6 @@
 """Pre-train the built-in audio-video demo model (an ``AVPipeline``, ``pipelines/av_demo.py``) on a CPU.
 
-Clips are drawn on the fly by ``flowalign.worlds.audio_video`` from the *whole* prompt space (the
+Clips are drawn on the fly by ``reward_models.worlds.audio_video`` from the *whole* prompt space (the
 "web data" of this world, as ``pretrain_shapes.py`` does; RL later trains on the train split).
 The ``AVDiffusionModel`` and the CLIP text encoder learn rectified flow on the joint latents
 x0 (video pixels in [−1, 1] and the waveform, as tokens): velocity target ε − x0, logit-normal σ,
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from flowalign.worlds.audio_video import clip_batch, prompt_split, sample_specs, vocabulary
+from reward_models.worlds.audio_video import clip_batch, prompt_split, sample_specs, vocabulary
 from pipelines.av_demo import AVPipeline, TinyAVSizes, build_tiny_av_pipeline
 
 DEMO_SIZES = TinyAVSizes(dim=96, layers=4, heads=4, mlp_ratio=4, text_hidden=32, text_layers=2, max_prompt_tokens=16)

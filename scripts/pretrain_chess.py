@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from flowalign.chess import tokenizer
+from pipelines import chess_tokenizer as tokenizer
 from flowalign.chess.puzzles import DEFAULT_PUZZLES, Puzzle, read_puzzles
 from pipelines.chess import ChessPuzzlePipeline
 from pipelines.chess_model import THEMES, ChessDiffusionModel

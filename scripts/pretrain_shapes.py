@@ -2,7 +2,7 @@
 StableDiffusion3Pipeline, ``--family sd3``) and its UNet variant shapes-sd15 (a small real
 StableDiffusionPipeline, ``--family sd``).
 
-Two stages, both on scenes drawn by ``flowalign.worlds.shapes`` from the *whole* prompt space
+Two stages, both on scenes drawn by ``reward_models.worlds.shapes`` from the *whole* prompt space
 (the "web data" of this world; RL later trains on the train split only):
 
 1. the ``AutoencoderKL`` learns to reconstruct scenes; its latent shift and scale are then
@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from flowalign.worlds.shapes import render_batch, sample_specs, vocabulary
+from reward_models.worlds.shapes import render_batch, sample_specs, vocabulary
 from pipelines.base import resolve_model_path
 from pipelines.tiny import SD_BETAS, TinySD3Sizes, build_tiny_sd3_pipeline
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from flowalign.worlds.audio_video import clip_batch, sample_specs
+from reward_models.worlds.audio_video import clip_batch, sample_specs
 from pipelines.av_demo import AVPipeline
 from pipelines.base import resolve_model_path
 from pretrain_av import audio_loss_own_vs_other_video, quick_eval, stage_record, video_informs_audio

@@ -20,7 +20,7 @@ from collections import Counter
 
 import torch
 
-from flowalign.worlds.shapes import IMAGE_SIZE, render_batch, sample_specs
+from reward_models.worlds.shapes import IMAGE_SIZE, render_batch, sample_specs
 from pipelines import load_adapter
 from reward_models.shapes import ShapesVerifier, detect_objects, judge
 

@@ -3,10 +3,12 @@
 import pytest
 import torch
 
-from flowalign.worlds.shapes import vocabulary
+from reward_models.worlds.shapes import vocabulary
 from pipelines.tiny import TinySD3Sizes, build_tiny_sd3_pipeline
 
-torch.set_num_threads(2)
+# one torch thread for the whole session: the tests' ops are too small for two threads, which only
+# wait on each other (the slowest kernel test ran ~20× slower with two on a busy 2-core machine)
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -21,13 +23,3 @@ def tiny_adapter(tiny_sd3_dir):
     from pipelines.sd3 import SD3Adapter
 
     return SD3Adapter.from_pretrained(str(tiny_sd3_dir))
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """One torch thread for a module of tiny-model tests: their ops are too small for two threads,
-    which only wait on each other (5× slower on a busy 2-core machine); restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

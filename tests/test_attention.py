@@ -48,7 +48,7 @@ def test_resolution_rules(monkeypatch):
         resolve_attention("flash_attention_9", "cpu")  # not a backend (diffusers dispatcher names are)
 
 
-def test_xformers_on_cpu_falls_back_to_sdpa_with_one_line(tiny_sd3_dir, capsys, sdpa_calls, one_thread):
+def test_xformers_on_cpu_falls_back_to_sdpa_with_one_line(tiny_sd3_dir, capsys, sdpa_calls):
     adapter = load_adapter("sd3", str(tiny_sd3_dir), attention="xformers")
     lines = [line for line in capsys.readouterr().err.splitlines() if "attention" in line]  # not the progress bars
     assert len(lines) == 1 and lines[0].startswith("flowalign: attention: xformers requested but")
@@ -58,14 +58,14 @@ def test_xformers_on_cpu_falls_back_to_sdpa_with_one_line(tiny_sd3_dir, capsys, 
     assert len(sdpa_calls) == adapter.model.config.num_layers  # every joint-attention block called SDPA
 
 
-def test_sdpa_and_auto_are_silent_and_use_sdpa(tiny_sd3_dir, capsys, one_thread):
+def test_sdpa_and_auto_are_silent_and_use_sdpa(tiny_sd3_dir, capsys):
     for attention in ("sdpa", "auto"):
         adapter = load_adapter("sd3", str(tiny_sd3_dir), attention=attention)
         assert adapter.attention == "sdpa" and uses_sdpa(adapter.model) and uses_sdpa(adapter.pipe.vae)
     assert "attention" not in capsys.readouterr().err
 
 
-def test_uses_sdpa_tells_the_unfused_processor_apart(tiny_sd3_dir, one_thread):
+def test_uses_sdpa_tells_the_unfused_processor_apart(tiny_sd3_dir):
     from diffusers.models.attention_processor import AttnProcessor
 
     adapter = load_adapter("sd3", str(tiny_sd3_dir))
@@ -73,7 +73,7 @@ def test_uses_sdpa_tells_the_unfused_processor_apart(tiny_sd3_dir, one_thread):
     assert uses_sdpa(adapter.model) and not uses_sdpa(adapter.pipe.vae)
 
 
-def test_model_kwargs_reach_the_adapter_and_bad_ones_are_named(tiny_sd3_dir, one_thread):
+def test_model_kwargs_reach_the_adapter_and_bad_ones_are_named(tiny_sd3_dir):
     assert set(adapter_options("sd3")) == {"max_sequence_length", "vae_tiling", "vae_slicing"}
     assert "true_cfg_scale" in adapter_options("flux") and "negative_prompt" in adapter_options("wan")
     assert adapter_options("chess") == {}
@@ -93,7 +93,7 @@ def tiny_config(model, out, *overrides):
         "train.train_batch_size=8", "eval.seeds=1", "eval.every=0", "checkpoint_every=0", *overrides])
 
 
-def test_the_trainer_wires_attention_checkpointing_and_kwargs(tiny_sd3_dir, tmp_path, capsys, one_thread):
+def test_the_trainer_wires_attention_checkpointing_and_kwargs(tiny_sd3_dir, tmp_path, capsys):
     from flowalign.trainer import Trainer
 
     config = tiny_config(tiny_sd3_dir, tmp_path, "model.attention=xformers", "model.gradient_checkpointing=true",
@@ -106,7 +106,7 @@ def test_the_trainer_wires_attention_checkpointing_and_kwargs(tiny_sd3_dir, tmp_
         Trainer(tiny_config(tmp_path / "no-model-here", tmp_path, "model.kwargs={max_seq_len: 5}"))
 
 
-def test_gradient_checkpointing_gives_the_same_gradients(tiny_sd3_dir, one_thread):
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_sd3_dir):
     """One flow-matching step through the transformer, with and without checkpointing."""
     grads = []
     for checkpointing in (False, True):
@@ -139,7 +139,7 @@ def test_config_defaults():
     assert config.model.attention == "auto" and config.model.kwargs == {} and not config.model.gradient_checkpointing
 
 
-def test_memory_benchmark_measures_one_step_per_backend(one_thread):
+def test_memory_benchmark_measures_one_step_per_backend():
     """scripts/benchmark_memory.py's child on a tiny transformer (the full run: docs/memory.md)."""
     import importlib.util
 

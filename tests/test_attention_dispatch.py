@@ -8,12 +8,11 @@ import torch
 from diffusers.models.attention_dispatch import AttentionBackendName
 
 from flowalign.config import load_config
-from flowalign.worlds.shapes import vocabulary
+from reward_models.worlds.shapes import vocabulary
 from pipelines import load_adapter
 from pipelines.attention import DISPATCHER_BACKENDS, attention_modules, attention_processors, resolve_attention
 from pipelines.tiny_zoo import build_tiny_wan22_pipeline, build_tiny_z_image_pipeline
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_the_backend_list_is_diffusers():

@@ -10,7 +10,7 @@ import torch
 
 from flowalign.rollout import rollout
 from flowalign.samplers.steps import plan_steps
-from flowalign.worlds.audio_video import AUDIO_SAMPLES, FRAMES, SIZE, clip_batch, prompt_split, vocabulary
+from reward_models.worlds.audio_video import AUDIO_SAMPLES, FRAMES, SIZE, clip_batch, prompt_split, vocabulary
 from pipelines import load_adapter
 from pipelines.av_demo import AVDemoAdapter, AVPipeline, TinyAVSizes, build_tiny_av_pipeline
 from pipelines.base import DEMO_MODELS_DIR
@@ -22,7 +22,7 @@ SIZES = TinyAVSizes(layers=2)
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, one_thread):
+def tiny_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-av")
     pipe = build_tiny_av_pipeline(vocabulary(), SIZES, seed=0)
     # the output and adaLN layers start at zero (a velocity of 0): give them weights so the tests see a real model

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from flowalign.objectives.av_routing import (RewardRouter, branch_advantages, branch_contrasts, floor_gate,
+from flowalign.experimental.av_routing import (RewardRouter, branch_advantages, branch_contrasts, floor_gate,
                                              floor_multipliers, interaction_gram, layer_gradient_scales, psd_part,
                                              residual_weights, response_ratio, routed_nft_loss, routed_priors,
                                              token_weights)

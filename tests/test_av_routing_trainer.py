@@ -7,7 +7,7 @@ import torch
 
 from flowalign.config import ConfigError, load_config
 from flowalign.trainer import Trainer
-from flowalign.worlds.audio_video import vocabulary
+from reward_models.worlds.audio_video import vocabulary
 from pipelines.av_demo import TinyAVSizes, build_tiny_av_pipeline
 
 WEIGHTS = "{video_quality: 1.0, audio_quality: 1.0, text_video: 1.0, text_audio: 1.0, sync: 2.0}"
@@ -41,23 +41,23 @@ def av_config(path, out, *overrides):
 def test_both_mechanisms_train_and_log_weights_scales_and_keep_priors_in_warmup(tiny_av_dir, tmp_path):
     trainer = Trainer(av_config(tiny_av_dir, tmp_path, "routing.reweight=true", "routing.influence=true",
                                 "routing.warmup=3"))
-    priors = trainer.router.priors.clone()
+    priors = trainer.objective.router.priors.clone()
     assert priors[0].tolist() == [1.0, 0.0, 1.0, 0.0, 2.0] and priors[1].tolist() == [0.0, 1.0, 0.0, 1.0, 2.0]
     trainer.train()
     first, second = trainer.history
     assert math.isfinite(first["train/policy_loss"]) and math.isfinite(second["train/policy_loss"])
     assert first["train/grad_norm"] > 0 and second["train/grad_norm"] > 0
-    assert torch.equal(trainer.router.weights, priors)  # both epochs trained inside the 3-epoch warm-up
+    assert torch.equal(trainer.objective.router.weights, priors)  # both epochs trained inside the 3-epoch warm-up
     assert first["routing/weight_audio_sync"] == 2.0 and "routing/weight_video_audio_quality" not in first
     scales = [v for k, v in second.items() if k.startswith("routing/grad_scale_")]
     assert len(scales) == len(trainer.adapter.cross_modal_attention()) and all(0.25 <= v <= 4 for v in scales)
-    assert trainer.router.gram.abs().sum() > 0  # interactions were observed
+    assert trainer.objective.router.gram.abs().sum() > 0  # interactions were observed
 
 
 def test_after_warmup_the_weights_move_but_keep_each_branchs_prior_mass(tiny_av_dir, tmp_path):
     trainer = Trainer(av_config(tiny_av_dir, tmp_path, "routing.reweight=true", "routing.warmup=1"))
     trainer.train()
-    w, priors = trainer.router.weights, trainer.router.priors
+    w, priors = trainer.objective.router.weights, trainer.objective.router.priors
     assert torch.allclose(w.sum(1), priors.sum(1)) and torch.equal(w > 0, priors > 0)
     assert not torch.equal(w, priors)
 
@@ -80,7 +80,7 @@ def test_layer_gradient_scales_reach_the_cross_modal_modules(tiny_av_dir, tmp_pa
     trainer = Trainer(av_config(tiny_av_dir, tmp_path, "routing.influence=true", "train.epochs=1",
                                 "train.weight_decay=0.0"))  # decay would move a zero-gradient weight
     modules = trainer.adapter.cross_modal_attention()
-    trainer._layer_scales = {name: 0.0 for name in modules}  # a zero scale freezes a module's update
+    trainer.objective._layer_scales = {name: 0.0 for name in modules}  # a zero scale freezes a module's update
     cross = {id(p) for _, m in modules.values() for p in m.parameters() if p.requires_grad}
     before = {id(p): p.detach().clone() for p in trainer.params}
     trainer.train()

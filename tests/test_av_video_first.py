@@ -14,7 +14,7 @@ from flowalign.objectives.diffusion_nft import diffusion_nft_loss
 from flowalign.rollout import rollout
 from flowalign.samplers.steps import plan_steps
 from flowalign.trainer import Trainer
-from flowalign.worlds.audio_video import prompt_split, sample_specs, vocabulary
+from reward_models.worlds.audio_video import prompt_split, sample_specs, vocabulary
 from pipelines import load_adapter
 from pipelines.av_demo import AVPipeline, TinyAVSizes, build_tiny_av_pipeline, video_first_levels, video_first_schedule
 from test_av_routing_trainer import av_config
@@ -34,7 +34,7 @@ pretrain_av = _script("pretrain_av")
 
 
 @pytest.fixture(scope="module")
-def video_first_dir(tmp_path_factory, one_thread):
+def video_first_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-av-video-first")
     pipe = build_tiny_av_pipeline(vocabulary(), TinyAVSizes(layers=2), seed=0)
     g = torch.Generator().manual_seed(0)

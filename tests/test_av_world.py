@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flowalign.prompts import load_prompts
-from flowalign.worlds.audio_video import (AUDIO_SAMPLES, COLORS, FRAMES, PITCHES, SAMPLES_PER_FRAME, SIZE, SPEEDS,
+from reward_models.worlds.audio_video import (AUDIO_SAMPLES, COLORS, FRAMES, PITCHES, SAMPLES_PER_FRAME, SIZE, SPEEDS,
                                           TRAVEL, all_specs, clip_batch, event_frames, generate_clip, prompt_split,
                                           render_audio, render_video, trajectory)
 from pipelines.joint import AudioVideoSamples

@@ -7,10 +7,11 @@ import chess
 import pytest
 import torch
 
-from flowalign.chess import tokenizer as tok
-from flowalign.objectives.masked_ddpo import (categorical_entropy, categorical_kl, leave_one_out_advantages,
+from pipelines import chess_tokenizer as tok
+from flowalign.advantages import leave_one_out_advantages
+from flowalign.objectives.masked_ddpo import (categorical_entropy, categorical_kl,
                                               masked_ddpo_loss)
-from flowalign.samplers.unmasking import rollout, score_step, unmask_counts, unmask_step, unmasking_plan
+from pipelines.unmasking import rollout, score_step, unmask_counts, unmask_step, unmasking_plan
 from pipelines import adapter_class
 from pipelines.base import DEMO_MODELS_DIR
 from pipelines.chess import ChessAdapter, ChessPuzzlePipeline, decode_boards, guided_logits, partial_tokens

@@ -11,7 +11,7 @@ import chess
 import pytest
 import torch
 
-from flowalign.chess import tokenizer
+from pipelines import chess_tokenizer as tokenizer
 from reward_models.base import available_rewards, build_reward
 from reward_models.chess.engine import EngineFailure, SearchLimit, StockfishPool, find_stockfish
 from reward_models.chess.legality import is_legal, legality_problems

@@ -4,7 +4,7 @@ import chess
 import pytest
 import torch
 
-from flowalign.chess import tokenizer as tok
+from pipelines import chess_tokenizer as tok
 from flowalign.chess.puzzles import DEFAULT_PUZZLES, read_puzzles
 
 START = "rnbqkbnr/pppppppp/8/8/8/8/PPPPPPPP/RNBQKBNR w KQkq - 0 1"

@@ -9,7 +9,8 @@ import torch
 
 from flowalign.config import ConfigError, load_config
 from flowalign.prompts import load_prompts
-from flowalign.trainer import Trainer, masked_trained_steps
+from flowalign.objectives.masked_ddpo import masked_trained_steps
+from flowalign.trainer import Trainer
 from pipelines.chess import ChessPuzzlePipeline
 from pipelines.chess_model import ChessDiffusionModel
 from reward_models.base import Reward, register_reward
@@ -32,7 +33,6 @@ class CheapChessReward(Reward):
         return {"legal": torch.tensor(legal), "empty": torch.tensor(empty)}
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits (conftest)
 
 
 @pytest.fixture(scope="module")

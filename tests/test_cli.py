@@ -41,13 +41,13 @@ DEMO = "configs/shapes_flow_grpo.yaml"
 @pytest.fixture
 def no_model_loads(monkeypatch):
     """Any model load fails the test: a bad config must stop before one."""
-    import flowalign.trainer
+    import flowalign.model_setup
     import pipelines
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(flowalign.trainer, "load_adapter", refuse)
+    monkeypatch.setattr(flowalign.model_setup, "load_adapter", refuse)
     monkeypatch.setattr(pipelines, "load_adapter", refuse)
 
 

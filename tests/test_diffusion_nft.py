@@ -91,7 +91,7 @@ def test_nft_trains_samples_with_the_old_policy_and_resumes_exactly(tiny_sd3_dir
     assert [h["train/old_decay"] for h in full.history] == pytest.approx([0.0, 0.2, 0.4])
     assert all(h["train/grad_norm"] > 0 for h in full.history)
     # the old policy trails the trained weights once its decay is above 0
-    assert any((s - p).abs().max() > 0 for s, p in zip(full.old.shadow, full.params))
+    assert any((s - p).abs().max() > 0 for s, p in zip(full.objective.old.shadow, full.params))
     cut = Trainer(tiny_config(tiny_sd3_dir, tmp_path / "cut", *NFT, "train.epochs=1", "train.train_batch_size=4"))
     cut.train()
     resumed = Trainer(tiny_config(tiny_sd3_dir, tmp_path / "cut", *NFT, "train.epochs=3", "train.train_batch_size=4",
@@ -99,7 +99,7 @@ def test_nft_trains_samples_with_the_old_policy_and_resumes_exactly(tiny_sd3_dir
     resumed.train()
     keys = ["train/policy_loss", "reward/mean", "train/grad_norm", "train/nft_r"]
     assert [[h[k] for k in keys] for h in resumed.history] == [[h[k] for k in keys] for h in full.history]
-    assert all(torch.equal(a, b) for a, b in zip(resumed.old.shadow, full.old.shadow))
+    assert all(torch.equal(a, b) for a, b in zip(resumed.objective.old.shadow, full.objective.old.shadow))
 
 
 def test_at_the_old_policy_shared_noising_cancels_the_noise_against_centred_r():
@@ -134,15 +134,16 @@ def test_shared_noising_gives_a_group_one_draw_and_trains_it_in_one_minibatch(ti
     from types import SimpleNamespace
 
     from flowalign.config import ConfigError
+    from flowalign.objectives.forward_process import forward_draws
 
     trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, *NFT, "train.nft_shared_noising=true",
                                   "train.train_batch_size=4"))
     traj = SimpleNamespace(timesteps=torch.arange(4), latents=torch.zeros(8, 1), samples=torch.zeros(8, 3, 2, 2))
-    steps, eps = trainer._forward_draws(traj, trainer.config.train.group_size)
+    steps, eps = forward_draws(trainer.dist, traj, trainer.config.train.noise_draws, trainer.config.train.group_size)
     for group in (slice(0, 4), slice(4, 8)):
         assert (steps[group] == steps[group][:1]).all() and (eps[group] == eps[group][:1]).all()
     assert not torch.equal(eps[0], eps[4])
-    assert {frozenset((i // 4 for i in idx.tolist())) for idx in trainer._minibatches(8, 4)} == {frozenset([0]),
+    assert {frozenset((i // 4 for i in idx.tolist())) for idx in trainer.dist.minibatches(8, 4)} == {frozenset([0]),
                                                                                                 frozenset([1])}
     with pytest.raises(ConfigError, match="train.train_batch_size"):
         tiny_config(tiny_sd3_dir, tmp_path, *NFT, "train.nft_shared_noising=true", "train.train_batch_size=6")

@@ -24,7 +24,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # in-process runs on one thread, like the subprocesses (OMP_NUM_THREADS=1; conftest)
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def write_config(tiny_sd3_dir, path: Path, *overrides) -> Path:

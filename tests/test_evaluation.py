@@ -215,3 +215,18 @@ def test_each_evaluation_reports_its_paired_change_against_before(tiny_run):
         assert metrics["after"][f"{name}_change_se"] == pytest.approx(diff.std(ddof=1) / np.sqrt(len(diff)))
         assert metrics["after"][name] == pytest.approx(after[name].mean().item())
     assert (tiny_run / "eval_samples" / "epoch-1.pt").is_file()  # eval.every=1: every evaluation is kept
+
+
+def test_flowalign_eval_draws_what_the_runs_own_evaluation_draws(tiny_run, tiny_sd3_dir, tmp_path):
+    """One noise convention (flowalign.evaluation.held_out_noise): `flowalign eval` of the base model
+    on the run's held-out prompts with seeds 0 … S − 1 scores exactly the run's "before" samples."""
+    from flowalign.evaluation import Policy, evaluate
+    from flowalign.prompts import load_prompts
+    from reward_models.base import build_reward
+
+    before = torch.load(tiny_run / "eval_samples" / "before.pt")  # eval.seeds=1, sampling.num_steps=4
+    evaluate([Policy("base", None)], load_prompts("shapes:test"), {"shapes": build_reward("shapes")}, tmp_path,
+             model=str(tiny_sd3_dir), seeds=[0], steps=4, guidance=1.0, batch_size=64)
+    rows = sorted((json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()),
+                  key=lambda row: row["index"])
+    assert [row["shapes/score"] for row in rows] == before["score"].tolist()

@@ -5,7 +5,7 @@ import pytest
 import torch
 from test_trainer import tiny_config
 
-from flowalign.explorenet import ExploreNet, exploration_log_density, group_spread_advantages, normalise_shape
+from flowalign.experimental.explorenet import ExploreNet, exploration_log_density, group_spread_advantages, normalise_shape
 from flowalign.rollout import rollout
 from flowalign.samplers.flow_sde import flow_grpo_sde_step
 from flowalign.samplers.steps import plan_steps

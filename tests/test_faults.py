@@ -17,14 +17,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import flowalign.trainer as trainer_module
+import flowalign.checkpoint as checkpoint_module
+import flowalign.objectives.flow_grpo as flow_grpo_module
+from flowalign.checkpoint import CheckpointError, DiskFullError
 from flowalign.integrity import file_sha256
-from flowalign.trainer import CheckpointError, DiskFullError, Trainer
+from flowalign.trainer import Trainer
 from reward_models.base import Reward, register_reward
 from test_distributed import history, run, start, train_command, wait_until_started, write_config
 from test_trainer import tiny_config
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest
 
 EPOCHS = 10
 # every epoch checkpointed, two minibatches (the shuffle stream matters), EMA (its state must resume too)
@@ -175,14 +176,14 @@ def test_a_full_disk_is_named_and_the_previous_checkpoint_kept(tiny_sd3_dir, tmp
     before = {p.name: p.read_bytes() for p in good.iterdir() if p.is_file()}
     trainer.train_epoch()
     trainer.epoch = 2
-    real_save_file = trainer_module.save_file
+    real_save_file = checkpoint_module.save_file
 
     def full_disk(tensors, path, *args, **kwargs):
         if str(path).endswith("trained.safetensors"):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real_save_file(tensors, path, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "save_file", full_disk)
+    monkeypatch.setattr(checkpoint_module, "save_file", full_disk)
     with pytest.raises(DiskFullError, match=r"disk full while writing checkpoint .*epoch-000002\.tmp .*"
                                             r"epoch-000001\) is untouched"):
         trainer.save_checkpoint()
@@ -193,14 +194,14 @@ def test_a_full_disk_is_named_and_the_previous_checkpoint_kept(tiny_sd3_dir, tmp
 
 def test_a_nan_loss_skips_the_step_on_unchanged_weights_and_is_counted(tiny_sd3_dir, tmp_path, monkeypatch):
     trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path))  # one minibatch of 3 trained steps per epoch
-    calls, real_loss = [], trainer_module.flow_grpo_loss
+    calls, real_loss = [], flow_grpo_module.flow_grpo_loss
 
     def nan_on_second_call(*args, **kwargs):
         loss, stats = real_loss(*args, **kwargs)
         calls.append(1)
         return (loss * float("nan"), stats) if len(calls) == 2 else (loss, stats)
 
-    monkeypatch.setattr(trainer_module, "flow_grpo_loss", nan_on_second_call)
+    monkeypatch.setattr(flow_grpo_module, "flow_grpo_loss", nan_on_second_call)
     initial = [p.detach().clone() for p in trainer.params]
     stats = trainer.train_epoch()
     assert stats["train/skipped_nonfinite"] == 1 and "train/policy_loss" not in stats

@@ -9,7 +9,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, WanPipeline
 
 from flowalign.rollout import rollout
 from flowalign.samplers.steps import plan_steps
-from flowalign.worlds.shapes import vocabulary
+from reward_models.worlds.shapes import vocabulary
 from pipelines import adapter_class
 from pipelines.tiny import build_tiny_flux_pipeline, build_tiny_wan_pipeline
 
@@ -27,7 +27,6 @@ VARIANTS = {
 }
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -10,15 +10,14 @@ from adapter_checks import FLOW_METHODS, assert_on_policy_at_init, assert_traine
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, WanPipeline
 
 from flowalign.config import ConfigError, load_config
-from flowalign.offline import generate_groups
+from flowalign.group_generation import generate_groups
 from flowalign.rollout import rollout
 from flowalign.samplers.steps import plan_steps
 from flowalign.trainer import Trainer
-from flowalign.worlds.shapes import vocabulary
+from reward_models.worlds.shapes import vocabulary
 from pipelines.tiny import build_tiny_flux_pipeline, build_tiny_wan_pipeline
 from reward_models.base import Reward, register_reward
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits (conftest)
 
 PROMPTS = ["a photo of a red circle", "a photo of two blue squares"]
 STEPS = 3

@@ -7,7 +7,8 @@ import torch
 from test_trainer import tiny_config
 
 from flowalign.config import ConfigError
-from flowalign.offline import generate_groups, load_groups
+from flowalign.group_generation import generate_groups
+from flowalign.offline import load_groups
 from flowalign.trainer import Trainer
 
 GDRO = ("method=gdro", "sampling.eta=0.0", "train.noise_draws=2", "train.group_size=4", "train.train_batch_size=4")
@@ -26,7 +27,7 @@ def test_groups_are_written_once_and_training_reads_only_them(tiny_sd3_dir, tmp_
     # one minibatch per epoch: the first epoch's statistics are all taken at the initial weights
     trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path / "run", *GDRO, f"data.offline_groups={groups}",
                                   "train.train_batch_size=8"))
-    monkeypatch.setattr("flowalign.trainer.rollout", _no_sampling_in_training)
+    monkeypatch.setattr("flowalign.epoch_sampler.rollout", _no_sampling_in_training)
     monkeypatch.setattr(trainer, "evaluate", lambda label: {})
     trainer.train()
     first = trainer.history[0]

@@ -22,13 +22,12 @@ from flowalign.prompts import load_prompts
 from flowalign.rollout import rollout
 from flowalign.samplers.steps import plan_steps
 from flowalign.trainer import Trainer
-from flowalign.worlds.shapes import prompt_split, render_scene, vocabulary
+from reward_models.worlds.shapes import prompt_split, render_scene, vocabulary
 from pipelines import adapter_class
 from pipelines.base import PromptEmbeddingCache, encode_records, load_condition_image
 from pipelines.tiny import build_tiny_flux_pipeline
 from reward_models.base import Reward, build_reward, register_reward
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits (conftest)
 
 SIZE, STEPS, TOKENS, GUIDANCE = 16, 3, 16, 2.5
 EDITS = ["make the red circle blue", "move the square to the left"]

@@ -11,7 +11,7 @@ from diffusers import LTX2Pipeline
 
 from flowalign.rollout import rollout
 from flowalign.samplers.steps import plan_steps
-from flowalign.worlds.shapes import vocabulary
+from reward_models.worlds.shapes import vocabulary
 from pipelines import adapter_class, check_adapter_options, load_adapter
 from pipelines.joint import AudioVideoSamples, JointLayout
 from pipelines.tiny import build_tiny_ltx2_pipeline
@@ -32,7 +32,6 @@ GUIDANCE = {
 PLAIN = {"audio_guidance_scale": None, "stg_scale": 0.0, "audio_stg_scale": 0.0, "modality_scale": 1.0,
          "audio_modality_scale": 1.0, "guidance_rescale": 0.0, "audio_guidance_rescale": 0.0}
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFont
 from torch import nn
 
-from flowalign.worlds.shapes import prompt_split, render_scene, to_array, vocabulary
+from reward_models.worlds.shapes import prompt_split, render_scene, to_array, vocabulary
 from pipelines.base import ModelNotFoundError
 from pipelines.tiny import BOS, EOS, build_clip_tokenizer
 from reward_models.base import Reward, available_rewards, build_reward, register_reward

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from flowalign.worlds.shapes import prompt_split, render_scene
+from reward_models.worlds.shapes import prompt_split, render_scene
 from reward_models.base import Reward, build_reward
 from reward_models.remote import RemoteReward, make_server
 

@@ -13,7 +13,7 @@ from flowalign.rollout import rollout, transition
 from flowalign.samplers.ddim import ddim_step
 from flowalign.samplers.steps import StepPlan, plan_steps
 from flowalign.trainer import Trainer
-from flowalign.worlds.shapes import vocabulary
+from reward_models.worlds.shapes import vocabulary
 from pipelines import adapter_class
 from pipelines.tiny import TinyUNetSizes, build_tiny_sd_pipeline, build_tiny_sdxl_pipeline
 
@@ -23,7 +23,6 @@ PIPELINES = {"sd": StableDiffusionPipeline, "sdxl": StableDiffusionXLPipeline}
 STEPS = 4
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits (conftest)
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))

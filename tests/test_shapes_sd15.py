@@ -10,7 +10,6 @@ from flowalign.config import load_config
 from flowalign.trainer import Trainer
 from pipelines import load_adapter, resolve_model_path
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # small model: a second thread only waits (conftest)
 
 
 @pytest.fixture(scope="module")

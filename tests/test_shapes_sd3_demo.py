@@ -9,7 +9,7 @@ import torch
 from diffusers import StableDiffusion3Pipeline
 
 from flowalign.config import load_config
-from flowalign.worlds.shapes import CATEGORIES, prompt_split
+from reward_models.worlds.shapes import CATEGORIES, prompt_split
 from pipelines import load_adapter
 from pipelines.base import DEMO_MODELS_DIR
 

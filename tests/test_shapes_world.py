@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import ImageDraw
 
-from flowalign.worlds.shapes import (BACKGROUND, CATEGORIES, COLORS, IMAGE_SIZE, all_specs, prompt_split,
+from reward_models.worlds.shapes import (BACKGROUND, CATEGORIES, COLORS, IMAGE_SIZE, all_specs, prompt_split,
                                      render_scene, to_array)
 from reward_models.base import available_rewards, build_reward
 from reward_models.shapes import SHAPE_TEMPERATURE, DetectedObject, ShapesVerifier, detect_objects, judge, soft_judge

@@ -6,7 +6,7 @@ import sys
 
 SCRIPT = """
 from pipelines.tiny import build_clip_tokenizer
-from flowalign.worlds.shapes import vocabulary
+from reward_models.worlds.shapes import vocabulary
 t = build_clip_tokenizer(vocabulary())
 print(sorted(t.get_vocab().items()), t("a red circle").input_ids)
 """

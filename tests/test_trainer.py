@@ -112,8 +112,8 @@ def test_missing_model_folder_names_the_path(tmp_path):
 
 
 def test_balanced_prompt_weights_give_every_category_the_same_mass():
-    from flowalign.trainer import prompt_weights
-    from flowalign.worlds.shapes import CATEGORIES, prompt_split
+    from flowalign.epoch_sampler import prompt_weights
+    from reward_models.worlds.shapes import CATEGORIES, prompt_split
 
     specs = prompt_split("train")
     tags = [spec["tag"] for spec in specs]
@@ -184,7 +184,7 @@ def test_mixgrpo_window_slides_one_step_later_per_epoch(tiny_sd3_dir, tmp_path):
 
 
 def test_latent_diversity_is_zero_for_identical_samples_and_the_rms_distance_otherwise():
-    from flowalign.trainer import latent_diversity
+    from flowalign.evaluator import latent_diversity
 
     same = torch.ones(6, 2, 2)
     assert latent_diversity(same, 3) == 0.0
@@ -201,3 +201,20 @@ def test_time_budget_stops_the_run_and_extra_rewards_are_only_measured(tiny_sd3_
     assert "jpeg_compressibility" in after and after["train_samples"] == 8 and after["train_seconds"] > 0
     assert after["latent_diversity"] > 0
     assert "reward/jpeg_compressibility" not in trainer.history[0]
+
+
+def test_a_trainer_is_freed_without_the_garbage_collector(tiny_sd3_dir, tmp_path):
+    """No reference cycle holds a trainer: its rewards are released as soon as it goes (a chess
+    reward's engine threads would otherwise keep the process from exiting)."""
+    import gc
+    import weakref
+
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, "train.epochs=0"))
+    trainer.train()
+    alive = weakref.ref(trainer.reward)
+    gc.disable()
+    try:
+        del trainer
+        assert alive() is None
+    finally:
+        gc.enable()

@@ -16,11 +16,10 @@ from flowalign.config import load_config
 from flowalign.rollout import rollout, transition
 from flowalign.samplers.steps import plan_steps
 from flowalign.trainer import Trainer
-from flowalign.worlds.shapes import vocabulary
+from reward_models.worlds.shapes import vocabulary
 from pipelines import adapter_class
 from pipelines.tiny_zoo import WAN22_A14B_BOUNDARY, build_tiny_wan22_pipeline
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits (conftest)
 
 PROMPTS = ["a photo of a red circle", "a photo of two squares"]
 STEPS = 4  # at the A14B shift 12: t = 1000, 961 (high noise: ≥ 875), 861, 126 (low noise)

@@ -11,7 +11,7 @@ from adapter_checks import reference_predictions, rescored_gradients
 
 from flowalign.rollout import rollout
 from flowalign.samplers.steps import plan_steps
-from flowalign.worlds.shapes import vocabulary
+from reward_models.worlds.shapes import vocabulary
 from pipelines import adapter_class
 from pipelines.base import PromptEmbeddingCache
 from pipelines.tiny_zoo import (build_tiny_flux2_klein_pipeline, build_tiny_qwen_image_pipeline,
@@ -74,7 +74,6 @@ VARIANTS = {
                              0.0, _cfg, lambda adapter, x: x),  # Turbo samples without CFG
 }
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits (conftest)
 
 
 @pytest.fixture(scope="module")

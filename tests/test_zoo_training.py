@@ -10,11 +10,10 @@ from adapter_checks import FLOW_METHODS, assert_on_policy_at_init, assert_traine
 from test_zoo_adapters import VARIANTS
 
 from flowalign.config import load_config
-from flowalign.offline import generate_groups
+from flowalign.group_generation import generate_groups
 from flowalign.rollout import rollout
 from flowalign.samplers.steps import plan_steps
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits (conftest)
 
 PROMPTS = ["a photo of a red circle", "a photo of two blue squares"]
 STEPS = 3

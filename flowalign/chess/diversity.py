@@ -16,7 +16,7 @@ import itertools
 
 import torch
 
-from flowalign.chess import tokenizer
+from pipelines import chess_tokenizer as tokenizer
 
 
 def board_diversity(tokens: torch.Tensor) -> dict[str, float]:

@@ -92,3 +92,94 @@ def old_policy_decay(epoch: int, rate: float, maximum: float) -> float:
     """Ramped EMA decay of the old policy after ``epoch`` (0-based): min(maximum, rate·epoch).
     Decay 0 makes the old policy the current one (on-policy); the ramp slows it down later."""
     return min(maximum, rate * epoch)
+
+
+# -- the objective (flowalign/objectives/base.py) ------------------------------------------------
+from dataclasses import dataclass  # noqa: E402
+
+from flowalign.ema import EMA  # noqa: E402
+from flowalign.objectives.base import register  # noqa: E402
+from flowalign.objectives.forward_process import ForwardProcessObjective, NoisingOptions  # noqa: E402
+
+
+@dataclass
+class NFTOptions:
+    """``train.*`` options of method diffusion_nft."""
+
+    nft_beta: float = 1.0  # β: how far the implicit positive / negative policies sit from the old one
+    nft_old_decay_rate: float = 0.001  # the old policy's EMA decay after epoch e: min(max, rate·e)
+    nft_old_decay_max: float = 0.5
+    # every sample of a group gets the same noising draws (σ and ε) and a group trains in one
+    # minibatch: common random numbers. The NFT gradient is Σ_i (2r_i − 1)·(x0_i − x̂0_i), and the ε
+    # part of x̂0 is then shared, so it cancels against the group's centred r instead of adding noise.
+    nft_shared_noising: bool = False
+
+
+@register
+class DiffusionNFT(ForwardProcessObjective):
+    """DiffusionNFT: ODE (or any) rollouts sampled by the old policy; ``train.noise_draws``
+    noising draws per sample and minibatch, one loss term each. The old policy is an EMA of the
+    trained weights whose decay ramps per epoch (``old_policy_decay``); it is this objective's
+    checkpointed state. ``head``: an optional replacement of the loss given (v_old, v_ref), for
+    wrappers (flowalign/experimental/routing.py)."""
+
+    name = "diffusion_nft"
+    rollout = "ode"
+    predictions = ("velocity",)
+    options = (NoisingOptions, NFTOptions)
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        t = self.config.train
+        self.unit = t.group_size if t.nft_shared_noising else 1  # samples sharing draws train together
+        self.old = EMA(ctx.params, 0.0)  # samples the rollouts and anchors v⁺ / v⁻
+        self.head = None
+
+    @classmethod
+    def validate(cls, config) -> list[tuple[str, bool, str]]:
+        t = config.train
+        return super().validate(config) + [
+            ("train.nft_beta", t.nft_beta > 0, "must be > 0"),
+            ("train.nft_old_decay_max", 0 <= t.nft_old_decay_max < 1, "must be in [0, 1)"),
+            ("train.train_batch_size", not t.nft_shared_noising or t.train_batch_size % t.group_size == 0,
+             "must be a multiple of train.group_size for gdro and train.nft_shared_noising (a minibatch holds whole "
+             "groups)"),
+        ]
+
+    def sampling_weights(self):
+        return self.old.swapped_in()
+
+    def loss(self, batch, idx, j, adv, valid):
+        """DiffusionNFT on one noising draw per sample of minibatch ``idx``."""
+        ctx, t = self.ctx, self.config.train
+        sub, adv, weight = batch.traj[idx], adv[idx], valid[idx]
+        x0, x_t, sigma, timestep, _ = self.noised(sub, idx, j)
+        with torch.no_grad():  # before v_θ's forward: swapping the old weights in later would break its graph
+            with self.old.swapped_in():
+                v_old = ctx.adapter.predict(x_t, timestep, sub.cond, 1.0)
+            v_ref = None
+            if t.kl_beta > 0:
+                with ctx.adapter.reference():
+                    v_ref = ctx.adapter.predict(x_t, timestep, sub.cond, 1.0)
+        if self.head is not None:
+            return self.head(sub, x0, x_t, sigma, timestep, v_old, v_ref, adv, weight)
+        v_theta = ctx.adapter.predict(x_t, timestep, sub.cond, 1.0, model=ctx.model)
+        if adv.ndim == 2:  # one column per reward: r follows their weighted sum
+            adv = adv @ ctx.reward_weights.to(adv)
+        return diffusion_nft_loss(v_theta, v_old, x_t, x0, sigma, optimality_probability(adv, t.advantage_clip),
+                                  beta=t.nft_beta, v_ref=v_ref, kl_beta=t.kl_beta, weight=weight)
+
+    def end_epoch(self, batch, epoch: int) -> dict[str, float]:
+        t = self.config.train
+        self.old.decay = old_policy_decay(epoch, t.nft_old_decay_rate, t.nft_old_decay_max)
+        self.old.update()
+        return {"train/old_decay": self.old.decay}
+
+    def components(self) -> dict:
+        return {"old": self}  # old.safetensors: the old policy's weights
+
+    def state_dict(self) -> dict:
+        return self.old.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.old.load_state_dict(state)

@@ -68,3 +68,66 @@ def flow_grpo_loss(
             "approx_kl": (0.5 * (log_prob - old_log_prob) ** 2 * weight).sum() / denom,
         }
     return loss, stats
+
+
+# -- the objective (flowalign/objectives/base.py) ------------------------------------------------
+from flowalign.objectives.base import BaseObjective, register  # noqa: E402
+from flowalign.rollout import transition  # noqa: E402
+from flowalign.samplers.steps import plan_steps  # noqa: E402
+
+
+@register
+class FlowGRPO(BaseObjective):
+    """Flow-GRPO: rescore each trained SDE step of the rollout under the current weights (the
+    flow SDE of ``sampling.sde`` for velocity models; the DDIM step for ε-prediction ones, see
+    ``DDPO``) and take the clipped-ratio loss, a KL to the reference when ``train.kl_beta`` > 0.
+    One loss term per trained step."""
+
+    name = "flow_grpo"
+    rollout = "sde"
+    predictions = ("velocity",)
+
+    @classmethod
+    def validate(cls, config) -> list[tuple[str, bool, str]]:
+        return [("sampling.eta", config.sampling.eta > 0,
+                 "must be > 0 to train with log-probabilities (η = 0 is ODE sampling; diffusion_nft and gdro allow it)")]
+
+    @classmethod
+    def num_terms(cls, config) -> int:
+        s = config.sampling
+        return int((plan_steps(s.num_steps, 1, s.eta, s.step_mode, fraction=s.fraction, window_size=s.window_size,
+                               window_start=s.window_start, generator=torch.Generator()).noise_levels > 0).sum())
+
+    def terms(self, batch) -> list[int]:
+        levels = batch.traj.noise_levels
+        return [j for j in range(len(levels)) if levels[j] > 0]
+
+    def loss(self, batch, idx, j, adv, valid):
+        ctx, t, s = self.ctx, self.config.train, self.config.sampling
+        sub = batch.traj[idx]
+        weight = sub.trained[:, j] & valid[idx]
+        x, x_next = sub.latents[:, j], sub.latents[:, j + 1]
+        args = (ctx.adapter, x, j, sub.schedule, float(sub.noise_levels[j]), sub.cond, s.guidance_scale)
+        scale = None if sub.std_scales is None else sub.std_scales[:, j]  # the std each sample was drawn with
+        out = transition(*args, sde=s.sde, prev_sample=x_next, reduction=s.log_prob_reduction, model=ctx.model,
+                         std_scale=scale)
+        ref_mean = None
+        if t.kl_beta > 0:
+            with torch.no_grad(), ctx.adapter.reference():
+                ref_mean = transition(*args, sde=s.sde, prev_sample=x_next, reduction=s.log_prob_reduction,
+                                      model=ctx.reference_model, std_scale=scale).mean
+        adv = adv[idx]
+        return flow_grpo_loss(out.log_prob, sub.log_probs[:, j], adv, clip_range=t.clip_range, beta=t.kl_beta,
+                              mean=out.mean, ref_mean=ref_mean, std=out.std, weight=weight,
+                              reduction=s.log_prob_reduction,
+                              advantage_weights=ctx.reward_weights if adv.ndim == 2 else None)
+
+
+@register
+class DDPO(FlowGRPO):
+    """DDPO (Black et al. 2023) on ε-prediction models: the same clipped-ratio loss on the DDIM
+    transition (``flowalign.samplers.ddim``), which ``transition`` takes for these adapters. A
+    preset: advantages as configured (configs/shapes_ddpo.yaml uses the per-prompt tracker)."""
+
+    name = "ddpo"
+    predictions = ("epsilon",)

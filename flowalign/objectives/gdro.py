@@ -70,3 +70,65 @@ def gdro_loss(
                  "gdro_score_gap": (scores.gather(1, rewards.argmax(1, keepdim=True))
                                     - scores.gather(1, rewards.argmin(1, keepdim=True))).mean()}
     return loss, stats
+
+
+# -- the objective (flowalign/objectives/base.py) ------------------------------------------------
+from dataclasses import dataclass  # noqa: E402
+
+from flowalign.objectives.base import register  # noqa: E402
+from flowalign.objectives.forward_process import ForwardProcessObjective, NoisingOptions  # noqa: E402
+
+
+@dataclass
+class GDROOptions:
+    """``train.*`` options of method gdro: implicit-reward scale, target temperature, weight of the
+    flow-matching loss on each group's best sample."""
+
+    gdro_beta: float = 6.0
+    gdro_tau: float = 0.05
+    gdro_gamma: float = 0.5
+
+
+@register
+class GDRO(ForwardProcessObjective):
+    """GDRO, fully offline: trains on the groups ``flowalign generate-groups`` wrote
+    (``data.offline_groups``), ``train.noise_draws`` noising draws per group and minibatch (one
+    loss term each), shared by a group's samples; a minibatch holds whole groups."""
+
+    name = "gdro"
+    rollout = "offline"
+    predictions = ("velocity",)
+    options = (NoisingOptions, GDROOptions)
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.unit = self.config.train.group_size
+
+    @classmethod
+    def validate(cls, config) -> list[tuple[str, bool, str]]:
+        t = config.train
+        return super().validate(config) + [
+            ("train.train_batch_size", t.train_batch_size % t.group_size == 0,
+             "must be a multiple of train.group_size for gdro and train.nft_shared_noising (a minibatch holds whole "
+             "groups)"),
+            ("train.gdro_tau", t.gdro_tau > 0, "must be > 0"),
+        ]
+
+    def loss(self, batch, idx, j, adv, valid):
+        """GDRO on one noising draw shared by each group: the minibatch's samples are whole groups
+        in order. A group with a dropped (NaN) reward is left out."""
+        ctx, t = self.ctx, self.config.train
+        sub, rewards = batch.traj[idx], batch.rewards.to(ctx.dist.device)[idx]
+        x0, x_t, _, timestep, eps = self.noised(sub, idx, j)
+        target = (eps - x0).flatten(1)
+        with torch.no_grad(), ctx.adapter.reference():
+            mse_ref = ((ctx.adapter.predict(x_t, timestep, sub.cond, 1.0).float().flatten(1) - target) ** 2).mean(1)
+        v_theta = ctx.adapter.predict(x_t, timestep, sub.cond, 1.0, model=ctx.model)
+        mse_theta = ((v_theta.float().flatten(1) - target) ** 2).mean(1)
+        k = t.group_size
+        rewards = rewards.view(-1, k)
+        keep = torch.isfinite(rewards).all(dim=1)
+        if not keep.any():  # nothing to compare; a zero loss that still touches every weight
+            return (v_theta * 0).sum(), {"policy_loss": torch.zeros(())}
+        return gdro_loss(mse_theta.view(-1, k)[keep], mse_ref.view(-1, k)[keep], rewards[keep], beta=t.gdro_beta,
+                         tau=t.gdro_tau, gamma=t.gdro_gamma)

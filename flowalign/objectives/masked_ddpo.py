@@ -2,7 +2,7 @@
 reference policy, an entropy bonus, and a leave-one-out group baseline (METHODS §3).
 
 Per recorded step x_s → x_{s+1} of a sample, with U the positions the step newly unmasked and
-π(· | x_s, ℓ) = softmax(logits_ℓ / τ) each position's categorical (``samplers/unmasking.py``):
+π(· | x_s, ℓ) = softmax(logits_ℓ / τ) each position's categorical (``pipelines/unmasking.py``):
 
     log p_θ = Σ_{ℓ∈U} log π_θ(x_{s+1,ℓ} | x_s, ℓ)            (the unmasking plan cancels)
     ratio   = exp(log p_θ − log p_old)
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from flowalign.samplers.unmasking import score_step
+from pipelines.unmasking import score_step
 
 
 def _probs_and_finite_log_probs(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,36 +94,79 @@ def masked_ddpo_loss(
     return loss, stats
 
 
-def leave_one_out_advantages(
-    rewards: torch.Tensor,
-    group_ids: torch.Tensor,
-    *,
-    scale_by_std: bool = True,
-    eps: float = 1e-4,
-    clip: float = 5.0,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """A_i = r_i − mean of the *other* samples of i's group, optionally divided by the group's
-    (population, ddof 0) std + eps, clipped to ±clip.
 
-    rewards: [B] (NaN = dropped: advantage 0, left out of every statistic); group_ids: [B].
-    A group with fewer than two valid samples gets 0 (and counts as a zero-spread group). Note r_i − mean_{j≠i} r_j =
-    G/(G − 1)·(r_i − mean_group): the GRPO advantage scaled by G/(G − 1), unbiased because the
-    baseline does not contain r_i. Returns (advantages [B], stats: groups, zero_spread_groups).
-    """
-    valid = torch.isfinite(rewards)
-    adv = torch.zeros_like(rewards, dtype=torch.float32)
-    n_groups, zero_spread = 0, 0
-    for gid in torch.unique(group_ids[valid]):
-        members = valid & (group_ids == gid)
-        r = rewards[members].float()
-        std = r.std(unbiased=False)
-        n_groups += 1
-        zero_spread += int(std.item() < 1e-8)  # a lone sample counts too: it teaches nothing
-        if len(r) < 2:
-            continue
-        baseline = (r.sum() - r) / (len(r) - 1)
-        if not scale_by_std:
-            adv[members] = r - baseline
-        elif std + eps > 0:  # a constant group (r_i = baseline) stays 0 even with eps = 0
-            adv[members] = (r - baseline) / (std + eps)
-    return adv.clamp(-clip, clip), {"groups": float(n_groups), "zero_spread_groups": zero_spread / max(n_groups, 1)}
+# -- the objective (flowalign/objectives/base.py) ------------------------------------------------
+from dataclasses import dataclass  # noqa: E402
+
+from flowalign.objectives.base import BaseObjective, register  # noqa: E402
+
+
+@dataclass
+class MaskedDDPOOptions:
+    entropy_coef: float = 0.0  # entropy bonus (train.entropy_coef): L − c_H·H of each step's categoricals
+
+
+def masked_trained_steps(num_steps: int, schedule: str) -> list[int]:
+    """The unmasking steps that unmask at least one position of a fully masked sequence (the
+    trainer's rollouts: prompts carry no partial board, so every sample follows these counts); a
+    step that unmasks nothing (e.g. the first cosine step) has no log-prob to train."""
+    from pipelines.unmasking import unmask_counts
+    from pipelines.chess_tokenizer import SEQ_LEN
+
+    counts = unmask_counts(torch.tensor([SEQ_LEN]), num_steps, schedule)[0]
+    return [j for j in range(num_steps) if counts[j + 1] > counts[j]]
+
+
+@register
+class MaskedDDPO(BaseObjective):
+    """DDPO over unmasking steps (``method: ddpo`` on a masked-diffusion family, e.g. chess): the
+    policy's logits at each recorded state rescore the tokens the step drew (at the rollout's
+    temperature); the reference (LoRA off, or the frozen copy) gives the KL's other side. One loss
+    term per unmasking step that unmasks a position."""
+
+    name = "ddpo"
+    rollout = "unmasking"
+    predictions = ("logits",)
+    options = (MaskedDDPOOptions,)
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        s = self.config.sampling
+        self.steps = masked_trained_steps(s.num_steps, s.unmask_schedule)
+
+    @classmethod
+    def validate(cls, config) -> list[tuple[str, bool, str]]:
+        return [("sampling.eta", config.sampling.eta > 0,
+                 "must be > 0 to train with log-probabilities (η = 0 is ODE sampling; diffusion_nft and gdro allow it)"),
+                ("train.entropy_coef", config.train.entropy_coef >= 0, "must be ≥ 0")]
+
+    @classmethod
+    def validate_family(cls, config) -> list[tuple[str, bool, str]]:
+        """What masked discrete diffusion does not support."""
+        return [
+            ("sampling.step_mode", config.sampling.step_mode == "all",
+             "must be all for masked diffusion (every unmasking step is sampled from the policy and trained)"),
+            ("train.per_reward_advantages", not config.train.per_reward_advantages,
+             "is not supported for masked diffusion (one advantage per sample)"),
+        ]
+
+    @classmethod
+    def num_terms(cls, config) -> int:
+        return len(masked_trained_steps(config.sampling.num_steps, config.sampling.unmask_schedule))
+
+    def terms(self, batch) -> list[int]:
+        return self.steps
+
+    def loss(self, batch, idx, j, adv, valid):
+        ctx, t, s = self.ctx, self.config.train, self.config.sampling
+        sub = batch.traj[idx]
+        x = sub.states[:, j]
+        logits = ctx.adapter.predict(x, None, sub.cond, s.guidance_scale, model=ctx.model)
+        ref_logits = None
+        if t.kl_beta > 0:
+            with torch.no_grad(), ctx.adapter.reference():
+                ref_logits = ctx.adapter.predict(x, None, sub.cond, s.guidance_scale, model=ctx.reference_model)
+        return masked_ddpo_loss(logits, sub.states[:, j + 1], sub.unmask[:, j], sub.log_probs[:, j], adv[idx],
+                                clip_range=t.clip_range, ref_logits=ref_logits, beta=t.kl_beta,
+                                entropy_coef=t.entropy_coef, temperature=s.temperature,
+                                weight=sub.trained[:, j] & valid[idx])

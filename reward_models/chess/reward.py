@@ -33,7 +33,7 @@ from typing import Sequence
 import chess
 import torch
 
-from flowalign.chess import tokenizer
+from pipelines import chess_tokenizer as tokenizer
 from reward_models.base import Reward, register_reward
 from reward_models.chess.engine import SearchLimit, StockfishPool
 from reward_models.chess.legality import legality_problems
@@ -100,7 +100,7 @@ class ChessPuzzleReward(Reward):
     """Legality, engine uniqueness and theme match of generated chess puzzles.
 
     samples: a list of B FEN strings (the side to move is the solver), or long [B, SEQ_LEN]
-    token ids of ``flowalign.chess.tokenizer`` (or a list of B id rows; their best-move tokens
+    token ids of ``pipelines.chess_tokenizer`` (or a list of B id rows; their best-move tokens
     feed ``best_move``);
     prompts: B strings (unused); metadata: B dicts with optional ``"themes"``.
     Returns {component: float [B]} for ``components``.

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flowalign.worlds.shapes import BACKGROUND, COLORS
+from reward_models.worlds.shapes import BACKGROUND, COLORS
 
 FRAMES = 8
 FPS = 8

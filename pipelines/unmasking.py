@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from flowalign.chess.tokenizer import MASK_ID
+from pipelines.chess_tokenizer import MASK_ID
 from pipelines.base import Conditioning
 
 SCHEDULES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -1,0 +1,81 @@
+"""What the forward-process objectives (DiffusionNFT, GDRO) share: noising draws of the final
+samples from each shard's noise stream, and the noised copies x_t they train on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flowalign.objectives.base import BaseObjective
+from pipelines.base import NoisesForward
+
+
+@dataclass
+class NoisingOptions:
+    noise_draws: int = 4  # noising draws (distinct schedule σ's) per sample per minibatch (train.noise_draws)
+
+
+def forward_draws(dist, traj, k: int, share: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Noising draws for one inner epoch, from each shard's noise stream: schedule indices long
+    [B, k] (k distinct steps per sample) and noise [B, k, ...]; ``share`` consecutive samples (a
+    GDRO group, an NFT group under train.nft_shared_noising) get the same draws."""
+    n_steps = len(traj.timesteps)
+    per_shard = len(traj.latents) // len(dist.streams) // share
+    indices, noise = [], []
+    for streams in dist.streams:
+        g = streams["noise"]
+        indices.append(torch.rand(per_shard, n_steps, generator=g).argsort(dim=1)[:, :k])
+        noise.append(torch.randn(per_shard, k, *traj.samples.shape[1:], generator=g))
+    return (torch.cat(indices).repeat_interleave(share, dim=0).to(dist.device),
+            torch.cat(noise).repeat_interleave(share, dim=0).to(dist.device))
+
+
+def noised(adapter, sub, step: torch.Tensor, eps: torch.Tensor, own_noising: bool = False):
+    """x_t = (1 − σ)·x0 + σ·ε of each sample's final latent: (x0, x_t, σ [b], timestep [b]). An
+    adapter with forward noising of its own (``own_noising``: a ``pipelines.base.NoisesForward``,
+    per-stream levels, av_demo's video-first order) gives (x0 as the loss compares it, x_t, σ)."""
+    device = sub.samples.device
+    sigma, timestep = sub.sigmas.to(device)[step], sub.timesteps.to(device)[step]
+    x0 = sub.samples
+    if own_noising:
+        return (*adapter.forward_noised(x0, eps, sigma), timestep)
+    s = sigma.view(-1, *([1] * (x0.ndim - 1)))
+    return x0, (1 - s) * x0 + s * eps, sigma, timestep
+
+
+def draw_rules(config) -> list[tuple[str, bool, str]]:
+    return [("train.noise_draws", 1 <= config.train.noise_draws <= config.sampling.num_steps,
+             "must be between 1 and sampling.num_steps")]
+
+
+class ForwardProcessObjective(BaseObjective):
+    """The loop members of an objective on the forward process: ``train.noise_draws`` loss terms
+    per minibatch, one per noising draw, drawn once per update for every sample (``unit``
+    consecutive samples share theirs)."""
+
+    options = (NoisingOptions,)
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.draws = None  # (schedule indices long [B, K], noise [B, K, ...]) of this update
+        self.own_noising = isinstance(ctx.adapter, NoisesForward)  # the capability, checked once
+
+    @classmethod
+    def validate(cls, config) -> list[tuple[str, bool, str]]:
+        return draw_rules(config)
+
+    @classmethod
+    def num_terms(cls, config) -> int:
+        return config.train.noise_draws
+
+    def terms(self, batch) -> list[int]:
+        return list(range(self.config.train.noise_draws))
+
+    def begin_update(self, batch) -> None:
+        self.draws = forward_draws(self.ctx.dist, batch.traj, self.config.train.noise_draws, self.unit)
+
+    def noised(self, sub, idx: torch.Tensor, j: int):
+        """Draw j of minibatch ``idx`` (``sub`` = its trajectory): (x0, x_t, σ [b], timestep [b], ε)."""
+        eps = self.draws[1][idx, j]
+        return (*noised(self.ctx.adapter, sub, self.draws[0][idx, j], eps, self.own_noising), eps)
