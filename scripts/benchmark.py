@@ -58,7 +58,8 @@ def bench_rollout(model: str, batch: int, steps: int, guidance: float, reps: int
 
 
 def bench_training(config_path: str, epochs: int) -> dict:
-    config = load_config(config_path, ["tracker=none", "output_dir=/tmp/flowalign-benchmark", "eval.seeds=1"])
+    config = load_config(config_path, ["tracker=none", "output_dir=/tmp/flowalign-benchmark", "eval.seeds=1",
+                                      f"threads={torch.get_num_threads()}"])  # --threads, kept by the run
     trainer = Trainer(config)
     phases = {"sample_and_reward": [], "advantages": [], "update": []}
     samples = config.train.groups_per_epoch * config.train.group_size

@@ -39,9 +39,11 @@ ARMS = {
 
 
 def run_arm(name: str, minutes: float, eval_every: int, out: Path, extra: list[str]) -> dict:
+    import torch
+
     config = load_config(RECIPE, [*ARMS[name], *extra, f"output_dir={out / name}", "tracker=none",
                                   "checkpoint_every=0", "train.epochs=100000", f"eval.every={eval_every}",
-                                  f"train.max_minutes={minutes}"])
+                                  f"train.max_minutes={minutes}", f"threads={torch.get_num_threads()}"])
     summary = Trainer(config).train()
     points = sorted(({"label": label, "minutes": result.get("train_seconds", 0.0) / 60,
                       **{k: result[k] for c in COMPONENTS for k in (c, f"{c}_change", f"{c}_change_se")

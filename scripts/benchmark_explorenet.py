@@ -88,7 +88,7 @@ def main() -> None:
     for mode in [] if args.report else args.modes.split(","):
         config = load_config(args.config, [f"output_dir={out / mode}", "tracker=none", "checkpoint_every=0",
                                            f"train.epochs={args.epochs}", f"eval.every={args.eval_every}",
-                                           f"explore.mode={mode}", *overrides])
+                                           f"explore.mode={mode}", f"threads={torch.get_num_threads()}", *overrides])
         trainer = Trainer(config)
         summary = trainer.train()
         results[mode] = {

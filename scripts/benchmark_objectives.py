@@ -51,7 +51,10 @@ DEMO_MODEL = "shapes-sd3"  # the model of every recipe but DDPO's
 
 def run_method(name: str, minutes: float, eval_every: int, out: Path, gdro_groups: int) -> dict:
     recipe, overrides = METHODS[name]
+    import torch
+
     common = [f"output_dir={out / name}", "tracker=none", "checkpoint_every=0", "train.epochs=100000",
+              f"threads={torch.get_num_threads()}",  # --threads, kept by the run
               f"eval.every={eval_every}", "eval.extra_rewards=[jpeg_compressibility]"]
     generation_s, generated = 0.0, 0
     if name == "gdro":

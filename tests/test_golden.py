@@ -42,13 +42,20 @@ def _first_difference(got, want, path="") -> str | None:
             if found:
                 return found
         return None
-    return None if got == want or (got != got and want != want) else f"{path[:-1]}: {got!r}, golden {want!r}"
+    return None if got == want or (_undefined(got) and _undefined(want)) else f"{path[:-1]}: {got!r}, golden {want!r}"
+
+
+def _undefined(value) -> bool:
+    """NaN, or null: the outputs write an undefined metric as null (strict JSON), older files as NaN."""
+    return value is None or (isinstance(value, float) and value != value)
 
 
 def test_first_difference_names_the_key():
     assert _first_difference({"a": [{"x": 1.0}]}, {"a": [{"x": 1.0}]}) is None
     assert _first_difference({"a": [{"x": 1.0000001}]}, {"a": [{"x": 1.0}]}) == "a.0.x: 1.0000001, golden 1.0"
     assert _first_difference({"a": float("nan")}, {"a": float("nan")}) is None
+    assert _first_difference({"a": None}, {"a": float("nan")}) is None
+    assert _first_difference({"a": None}, {"a": 0.0}) == "a: None, golden 0.0"
 
 
 @pytest.mark.parametrize("name", sorted(record_golden.RUNS))
