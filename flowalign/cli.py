@@ -93,7 +93,7 @@ def _sampling_only(config):
 def cmd_train(args) -> int:
     from flowalign.config import load_config
     from flowalign.faults import RunStopped
-    from flowalign.trainer import train
+    from flowalign.api import train
 
     config = load_config(args.config, args.overrides)
     if args.dry_run:

@@ -378,9 +378,27 @@ def source_of(config: RunConfig, key: str, default: str = "config") -> str:
     return sources["file"]
 
 
+def check_types(config: RunConfig, where: str = "RunConfig") -> None:
+    """A config built in Python (``RunConfig(train=TrainConfig(epochs=2), ...)``) checked as a YAML
+    file is: every section the dataclass it names, every value of its annotated type, every choice
+    one of CHOICES. Raises ConfigError naming the key."""
+    if not isinstance(config, RunConfig):
+        raise ConfigError(f"{where}: expected a RunConfig (flowalign.load_config or RunConfig(...)), "
+                          f"got {type(config).__name__}")
+    hints = typing.get_type_hints(RunConfig)
+    for f in dataclasses.fields(RunConfig):
+        section = hints[f.name]
+        if dataclasses.is_dataclass(section) and not isinstance(getattr(config, f.name), section):
+            raise ConfigError(f"{where}: {f.name} must be a {section.__name__} (flowalign.config), got "
+                              f"{type(getattr(config, f.name)).__name__}")
+    _build(RunConfig, to_dict(config), "", where)
+
+
 def check_values(config: RunConfig, where: str = "config") -> None:
-    """Cross-field checks that types alone cannot express. A failure names the key and where its
-    value came from (``source_of``: the override that set it, else ``where``)."""
+    """Types (``check_types``: a config built in Python gets the checks of a file), then cross-field
+    checks that types alone cannot express. A failure names the key and where its value came from
+    (``source_of``: the override that set it, else ``where``)."""
+    check_types(config, where if getattr(config, "sources", None) is not None else "RunConfig")
     t, s, e = config.train, config.sampling, config.eval
     rules = [
         ("checkpoint_every", config.checkpoint_every >= 0, "must be ≥ 0 (0 = only at the end)"),

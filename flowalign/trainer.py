@@ -48,14 +48,18 @@ from flowalign.objectives.base import Context, objective_class
 from flowalign.preflight import check_modality, check_reward_components, family_prediction, validate
 from flowalign.prompts import load_prompts
 from flowalign.stopping import GracefulStop
-from reward_models.base import build_reward
+from reward_models.base import as_reward, build_reward
 
 
 class Trainer:
-    """``Trainer(config).train()`` runs a whole experiment; ``history`` holds one dict per epoch."""
+    """``Trainer(config).train()`` runs a whole experiment; ``history`` holds one dict per epoch.
+    ``reward`` (a Reward or a reward function), ``train_prompts`` / ``eval_prompts`` (lists) and a
+    loaded ``adapter``, when given, replace what the config names (``flowalign.train``, flowalign/api.py)."""
 
-    def __init__(self, config: RunConfig):
-        validate(config)  # every check that needs no weights (flowalign/preflight.py: also `train --dry-run`)
+    def __init__(self, config: RunConfig, *, reward=None, train_prompts=None, eval_prompts=None, adapter=None):
+        given = {key for key, value in (("reward", reward), ("data.train_prompts", train_prompts),
+                                        ("data.eval_prompts", eval_prompts), ("model", adapter)) if value is not None}
+        validate(config, given=given)  # every check that needs no weights (flowalign/preflight.py: also `train --dry-run`)
         if config.threads:  # before any tensor work: a run's numbers depend on its thread count
             torch.set_num_threads(config.threads)
         self.config, t = config, config.train
@@ -73,15 +77,16 @@ class Trainer:
                               f"remove it: the trainer accumulates each minibatch over its {accumulation} loss terms")
         self.dist = Distributed(acc, t)
         self.dist.check_backend(accumulation, t)
-        self.train_specs = load_prompts(config.data.train_prompts)
-        self.eval_specs = load_prompts(config.data.eval_prompts)
+        self.train_specs = load_prompts(config.data.train_prompts if train_prompts is None else train_prompts)
+        self.eval_specs = load_prompts(config.data.eval_prompts if eval_prompts is None else eval_prompts)
         r = config.reward  # each call with a deadline and an error policy (flowalign/faults.py)
-        self.reward = RewardGuard(build_reward(r.name, **r.kwargs), r.name, r.timeout_s, r.on_error, r.weights)
+        reward = build_reward(r.name, **r.kwargs) if reward is None else as_reward(reward)
+        self.reward = RewardGuard(reward, r.name, r.timeout_s, r.on_error, r.weights)
         self.extra_rewards = [build_reward(name) for name in config.eval.extra_rewards]
         check_reward_components(config, self.reward)
         check_modality(config, self.reward, self.extra_rewards)
 
-        built = build_model(config, acc, objective_cls)
+        built = build_model(config, acc, objective_cls, adapter)
         self.adapter, self.encode, self.params = built.adapter, built.encode, built.params
         self.model, self.optimizer = built.model, built.optimizer
         self.ema = EMA(self.params, t.ema_decay) if t.ema_decay > 0 else None
@@ -310,4 +315,5 @@ def run_environment() -> dict:
 
 
 def train(config: RunConfig) -> dict:
+    """``Trainer(config).train()``; the Python API with objects for names: ``flowalign.train`` (flowalign/api.py)."""
     return Trainer(config).train()
