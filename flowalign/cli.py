@@ -18,7 +18,17 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
+# Nothing heavy at the top: ``flowalign --help`` and ``flowalign train --help`` answer after parsing
+# the arguments, before torch, diffusers or the trainer load (scripts/benchmark_cli_startup.py);
+# each command imports what it needs.
+
+CONFIG_KEYS_HELP = (
+    "Where every config key is documented: docs/config.md, the reference of every key (type, default, "
+    "meaning; generated from the code, checked by tests/test_config_reference.py). Each key is defined "
+    "and commented in flowalign/config.py (the sections model, sampling, data, reward, train, eval, explore, "
+    "routing; CHOICES and check_values hold the rules that tie keys together); each method's own train.* "
+    "options in its file flowalign/objectives/<method>.py; model.kwargs per family in pipelines/<family>.py "
+    "(`flowalign train CONFIG --dry-run` checks them all); reward.kwargs in reward_models/<reward>.py.")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -129,6 +139,8 @@ def cmd_generate_groups(args) -> int:
 
 
 def cmd_grid(args) -> int:
+    import torch
+
     from flowalign.evaluation import load_policy, resolve_policies, sample_images
     from flowalign.grids import as_image_cells, labelled_grid, save_gif, save_grid
     from flowalign.prompts import load_prompts
@@ -227,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run an alignment experiment from a YAML config",
                        description="Run an experiment. Any config value can be overridden: key.sub=value "
                                    "(e.g. train.learning_rate=1e-4 sampling.num_steps=8). resume=auto continues "
-                                   "from the latest checkpoint in output_dir.")
+                                   "from the latest checkpoint in output_dir.",
+                       epilog=CONFIG_KEYS_HELP)
     p.add_argument("config", help="YAML recipe, e.g. configs/shapes_flow_grpo.yaml")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     p.add_argument("--dry-run", action="store_true",
@@ -310,12 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from flowalign.config import ConfigError
+    args = build_parser().parse_args(argv)  # --help and usage errors exit here, before anything heavy loads
     from flowalign.checkpoint import CheckpointError
+    from flowalign.config import ConfigError
     from flowalign.faults import RunStopped
     from pipelines.base import ModelNotFoundError
 
-    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ConfigError, CheckpointError, ModelNotFoundError, FileNotFoundError) as error:
