@@ -209,10 +209,22 @@ class EvalConfig:
 
 
 @dataclass
+class WandbConfig:
+    """``wandb:``: the W&B run when ``tracker: wandb`` (``wandb.init``'s arguments; flowalign/outputs.py)."""
+
+    project: Optional[str] = None  # None: the name of output_dir
+    entity: Optional[str] = None  # team or user; None: W&B's default entity
+    name: Optional[str] = None  # the run's display name; None: W&B's generated one
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
 class RunConfig:
     output_dir: str = "runs/shapes-flow-grpo"
     method: str = "flow_grpo"
-    tracker: str = "tensorboard"  # tensorboard | wandb | none
+    # tensorboard | wandb | none: metrics every epoch, evaluations and their sample grids (as images);
+    # wandb needs `pip install wandb` (refused before any model loads otherwise) and reads the wandb: section
+    tracker: str = "tensorboard"
     # torch CPU threads of each process, set when the run starts. Floating-point sums are split across
     # threads, so the numbers of a run depend on this count (and on torch's version and the CPU's
     # instruction set, both recorded in metrics.json), never on what else runs on the machine.
@@ -231,6 +243,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     explore: ExploreConfig = field(default_factory=ExploreConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 CHOICES = {
@@ -242,7 +255,7 @@ CHOICES = {
     "sampling.log_prob_reduction": ("mean", "sum"),
     "sampling.unmask_schedule": ("cosine", "linear"),
     "train.advantage_baseline": ("group", "leave_one_out"),
-    "train.mixed_precision": ("no", "fp16", "bf16"),
+    "train.mixed_precision": ("no", "fp16", "bf16"),  # `accelerate launch --mixed_precision` must agree (preflight)
     "tracker": ("tensorboard", "wandb", "none"),
     "reward.on_error": ("raise", "nan"),
 }  # method: one of the registered objectives (flowalign/objectives/base.py), checked by check_values

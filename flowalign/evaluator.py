@@ -17,6 +17,7 @@ from flowalign.ema import maybe_swapped_in
 from flowalign.epoch_sampler import cat_components, masked_rollout, reward_chunk
 from flowalign.evaluation import EVAL_SEED, held_out_noise, ode_samples, paired_change
 from flowalign.grids import as_image_cells, load_grids, save_grid, side_by_side, to_pil_grid, with_inputs
+from flowalign.outputs import log_grid
 from pipelines.base import encode_records
 
 
@@ -68,6 +69,7 @@ class Evaluator:
                 tqdm.write(f"eval {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()
                                                          if isinstance(v, float)))
                 acc.log({f"eval/{k}": v for k, v in flat(result).items() if isinstance(v, (int, float))}, step=epoch)
+                log_grid(acc, self.grids.get(label), epoch)  # the grid as an image in TensorBoard / W&B
             acc.wait_for_everyone()
         return result
 

@@ -234,7 +234,11 @@ def validate(config: RunConfig, missing_ok: bool = False, given=()) -> None:
     "data.train_prompts", "data.eval_prompts", "model" (a loaded adapter), not looked up here."""
     from pipelines.base import ModelNotFoundError, resolve_model_path
 
+    from flowalign.outputs import check_launch_precision, check_tracker
+
     check_values(config)
+    check_tracker(config)
+    check_launch_precision(config)
     cls = check_model(config)
     check_rewards(config, cls, given="reward" in given)
     check_prompt_sets(config, missing_ok, given)

@@ -45,6 +45,7 @@ from flowalign.evaluator import Evaluator, flat
 from flowalign.faults import NanEpochStreak, RewardGuard, finite_json
 from flowalign.model_setup import build_model
 from flowalign.objectives.base import Context, objective_class
+from flowalign.outputs import init_trackers
 from flowalign.preflight import check_modality, check_reward_components, family_prediction, validate
 from flowalign.prompts import load_prompts
 from flowalign.stopping import GracefulStop
@@ -130,8 +131,7 @@ class Trainer:
             if acc.is_main_process:
                 self.out.mkdir(parents=True, exist_ok=True)
                 (self.out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-            if cfg.tracker != "none":
-                acc.init_trackers(self.out.name or "flowalign", config=flat(to_dict(cfg)))
+            init_trackers(acc, cfg, flat(to_dict(cfg)))  # flowalign/outputs.py: TensorBoard, or W&B's wandb: section
             if acc.is_main_process:
                 tqdm.write("determinism: " + ", ".join(f"{k} {v}" for k, v in run_environment().items())
                            + " (the same seed and these give the same numbers)")

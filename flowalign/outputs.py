@@ -1,0 +1,61 @@
+"""What a run shows outside its folder's files: the trackers (TensorBoard, W&B) with every
+evaluation's sample grid as an image, and the checks that a tracker and the launch's precision are
+what the config says, made before any model loads (``check_tracker``, ``check_launch_precision``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from flowalign.config import ConfigError, RunConfig, source_of
+
+INSTALL = {"wandb": 'pip install wandb  (or: pip install "flowalign[wandb]")',
+           "tensorboard": "pip install tensorboard"}
+
+
+def check_tracker(config: RunConfig) -> None:
+    """``tracker`` names a package that imports (Accelerate would otherwise drop it and log to nothing)."""
+    if config.tracker != "none" and importlib.util.find_spec(config.tracker) is None:
+        raise ConfigError(f"{source_of(config, 'tracker')}: tracker: {config.tracker} is not installed; install it "
+                          f"with `{INSTALL[config.tracker]}`, or set tracker=none (or tracker=tensorboard)")
+
+
+def check_launch_precision(config: RunConfig, environ=os.environ) -> None:
+    """The mixed precision of ``accelerate launch`` (``--mixed_precision`` or its config file's
+    ``mixed_precision``, passed as ACCELERATE_MIXED_PRECISION) against ``train.mixed_precision``.
+    The run's precision is the config's; a launch that asks for another one (fp16, bf16, fp8) is
+    refused, never silently overridden. A launch with ``no`` (its default) leaves it to the config."""
+    launched = environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    wanted = config.train.mixed_precision
+    if launched != "no" and launched != wanted:
+        raise ConfigError(f"{source_of(config, 'train.mixed_precision')}: train.mixed_precision is {wanted!r}, but "
+                          f"accelerate launch asks for {launched!r} (--mixed_precision or its config file's "
+                          f"mixed_precision); set train.mixed_precision={launched} or launch with --mixed_precision no "
+                          f"(the run config decides the precision)")
+
+
+def init_trackers(accelerator, config: RunConfig, project_config: dict) -> None:
+    """Start the tracker: TensorBoard under ``output_dir``; W&B with the ``wandb:`` section."""
+    if config.tracker == "none":
+        return
+    from pathlib import Path
+
+    w = config.wandb
+    project = (w.project if config.tracker == "wandb" else None) or Path(config.output_dir).name or "flowalign"
+    init = {"wandb": {k: v for k, v in (("entity", w.entity), ("name", w.name), ("tags", w.tags)) if v}}
+    accelerator.init_trackers(project, config=project_config, init_kwargs=init)
+
+
+def log_grid(accelerator, grid, step: int, tag: str = "eval/grid") -> None:
+    """An evaluation's sample grid (a PIL image) as an image in every tracker, at ``step`` (the
+    epoch): TensorBoard's Images tab shows one slider from "before" to "after"; W&B a media panel."""
+    if grid is None or not accelerator.is_main_process:
+        return
+    import numpy as np
+
+    pixels = np.asarray(grid.convert("RGB"))[None]  # [1, H, W, 3] uint8
+    for tracker in accelerator.trackers:
+        if tracker.name == "tensorboard":
+            tracker.log_images({tag: pixels}, step=step, dataformats="NHWC")
+        elif tracker.name == "wandb":
+            tracker.log_images({tag: pixels}, step=step)
