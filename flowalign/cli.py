@@ -10,6 +10,7 @@ Examples::
     flowalign grid --policies base runs/shapes-flow-grpo --prompts shapes:test --out grid.png
     flowalign eval --policies base runs/shapes-flow-grpo/final --rewards shapes,jpeg_compressibility --out eval
     flowalign report runs/shapes-flow-grpo --eval eval
+    flowalign push runs/shapes-flow-grpo --repo me/shapes-flow-grpo-lora   # final/ with its model card
 """
 
 from __future__ import annotations
@@ -232,6 +233,21 @@ def cmd_sample(args) -> int:
     return 0
 
 
+def cmd_push(args) -> int:
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from flowalign.outputs import push_run
+
+    try:
+        commit = push_run(args.run, args.repo, private=args.private, endpoint=args.endpoint, message=args.message)
+    except HfHubHTTPError as error:  # no token, no rights, the hub down: one line, no traceback
+        print(f"flowalign: error: pushing {args.run}/final to {args.repo} failed: {str(error).splitlines()[0]}",
+              file=sys.stderr)
+        return 1
+    print(f"uploaded {args.run}/final to {args.repo}: {commit}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowalign", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -312,6 +328,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-timeout-s", type=float, default=30,
                    help="a connection that sends nothing for this long is closed (its thread ends)")
     p.set_defaults(func=cmd_reward_server)
+
+    p = sub.add_parser("push", help="upload a finished run's final/ (weights, model card, grid) to the Hugging Face hub",
+                       description="Creates the repository if needed (huggingface_hub create_repo) and uploads "
+                                   "RUN/final with upload_folder. Log in first (`hf auth login`) or set HF_TOKEN.")
+    p.add_argument("run", help="the run's output_dir")
+    p.add_argument("--repo", required=True, help="hub repository id, e.g. me/shapes-nft-lora")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.add_argument("--message", default=None, help="commit message (default: flowalign: RUN's name)")
+    p.add_argument("--endpoint", default=None, help="another hub's URL (default: huggingface_hub's, HF_ENDPOINT)")
+    p.set_defaults(func=cmd_push)
 
     p = sub.add_parser("sample", help="images for one prompt, one file per seed")
     _add_model_args(p)

@@ -45,7 +45,7 @@ from flowalign.evaluator import Evaluator, flat
 from flowalign.faults import NanEpochStreak, RewardGuard, finite_json
 from flowalign.model_setup import build_model
 from flowalign.objectives.base import Context, objective_class
-from flowalign.outputs import init_trackers
+from flowalign.outputs import init_trackers, write_hub_files
 from flowalign.preflight import check_modality, check_reward_components, family_prediction, validate
 from flowalign.prompts import load_prompts
 from flowalign.stopping import GracefulStop
@@ -301,6 +301,7 @@ class Trainer:
                 summary["delta"] = {k: after[k] - before[k] for k in after
                                     if isinstance(after[k], float) and isinstance(before.get(k), float)}
             self.evaluator.save_before_after()
+            write_hub_files(self.out, self.config, summary)  # final/README.md, the model card (flowalign/outputs.py)
             (self.out / "metrics.json").write_text(json.dumps(finite_json(summary), indent=2))  # NaN → null
             with open(self.out / "history.jsonl", "w") as f:
                 f.writelines(json.dumps(finite_json(h)) + "\n" for h in self.history)

@@ -45,6 +45,9 @@ def test_train_two_epochs_with_a_reward_function_and_a_prompt_list(tiny_sd3_dir,
     assert (tmp_path / "final" / "pytorch_lora_weights.safetensors").is_file()
     written = (tmp_path / "config.json").read_text()
     assert "python:brightness" in written and "python:3 prompts" in written
+    card = (tmp_path / "final" / "README.md").read_text()  # the model card names what was passed
+    assert "the reward `python:brightness`" in card and "| train prompts | python:3 prompts |" in card
+    assert f"| score | {before['score']:.4f} | {after['score']:.4f} |" in card
 
 
 def test_a_reward_object_and_a_loaded_adapter(tiny_sd3_dir, tmp_path):
