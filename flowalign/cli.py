@@ -329,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a connection that sends nothing for this long is closed (its thread ends)")
     p.set_defaults(func=cmd_reward_server)
 
-    p = sub.add_parser("push", help="upload a finished run's final/ (weights, model card, grid) to the Hugging Face hub",
+    p = sub.add_parser("push", help="upload a run's final/ (weights, model card, grid) to the Hugging Face hub",
                        description="Creates the repository if needed (huggingface_hub create_repo) and uploads "
                                    "RUN/final with upload_folder. Log in first (`hf auth login`) or set HF_TOKEN.")
     p.add_argument("run", help="the run's output_dir")

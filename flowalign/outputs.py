@@ -124,7 +124,8 @@ def model_card(config: RunConfig, summary: dict, with_grid: bool) -> str:
     lines += ["## Settings", "", "| setting | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in settings), "",
               "The whole config is the run folder's `config.json`.", ""]
     if with_grid:
-        lines += ["## Samples", "", "![before (left) and after (right): held-out prompts × seeds](before_after.png)", ""]
+        lines += ["## Samples", "", "![before (left) and after (right): held-out prompts × seeds](before_after.png)",
+                  ""]
     load = (f'pipe = DiffusionPipeline.from_pretrained("{m.path}")\npipe.load_lora_weights("THIS_REPO_OR_FOLDER")'
             if lora else f'pipe = DiffusionPipeline.from_pretrained("{m.path}")  # then swap in the trained folder')
     lines += ["## Use", "", "```python", "from diffusers import DiffusionPipeline", "", load, "```", ""]
