@@ -43,6 +43,7 @@ from flowalign.ema import EMA, maybe_swapped_in
 from flowalign.epoch_sampler import EpochBatch, EpochSampler
 from flowalign.evaluator import Evaluator, flat
 from flowalign.faults import NanEpochStreak, RewardGuard, finite_json
+from flowalign.logs import add_default_handler, get_logger
 from flowalign.model_setup import build_model
 from flowalign.objectives.base import Context, objective_class
 from flowalign.outputs import init_trackers, write_hub_files
@@ -50,6 +51,8 @@ from flowalign.preflight import check_modality, check_reward_components, family_
 from flowalign.prompts import load_prompts
 from flowalign.stopping import GracefulStop
 from reward_models.base import as_reward, build_reward
+
+log = get_logger("trainer")
 
 
 class Trainer:
@@ -60,6 +63,7 @@ class Trainer:
     def __init__(self, config: RunConfig, *, reward=None, train_prompts=None, eval_prompts=None, adapter=None):
         given = {key for key, value in (("reward", reward), ("data.train_prompts", train_prompts),
                                         ("data.eval_prompts", eval_prompts), ("model", adapter)) if value is not None}
+        add_default_handler()  # messages through logging, main process only (flowalign/logs.py)
         validate(config, given=given)  # every check that needs no weights (flowalign/preflight.py: also `train --dry-run`)
         if config.threads:  # before any tensor work: a run's numbers depend on its thread count
             torch.set_num_threads(config.threads)
@@ -132,9 +136,8 @@ class Trainer:
                 self.out.mkdir(parents=True, exist_ok=True)
                 (self.out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
             init_trackers(acc, cfg, flat(to_dict(cfg)))  # flowalign/outputs.py: TensorBoard, or W&B's wandb: section
-            if acc.is_main_process:
-                tqdm.write("determinism: " + ", ".join(f"{k} {v}" for k, v in run_environment().items())
-                           + " (the same seed and these give the same numbers)")
+            log.info("determinism: %s (the same seed and these give the same numbers)",
+                     ", ".join(f"{k} {v}" for k, v in run_environment().items()))
             if "before" not in self.evals:
                 self.evals["before"] = self.evaluate("before")
             start = self.session_start = time.time()
@@ -257,9 +260,8 @@ class Trainer:
     def _stopped(self, signal_name: str, checkpoint: Path) -> dict:
         """The summary of a run stopped by a signal: no final eval, no ``final/`` (the run is not done)."""
         acc = self.accelerator
-        if acc.is_main_process:
-            tqdm.write(f"stopped by {signal_name} after epoch {self.epoch}/{self.config.train.epochs}; checkpoint "
-                       f"{checkpoint}; continue with resume=auto")
+        log.info("stopped by %s after epoch %d/%d; checkpoint %s; continue with resume=auto", signal_name,
+                 self.epoch, self.config.train.epochs, checkpoint)
         acc.end_training()
         return {"interrupted": signal_name, "checkpoint": str(checkpoint), "epochs": self.epoch,
                 "before": self.evals.get("before"), "after": None, "evals": self.evals}
