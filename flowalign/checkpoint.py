@@ -28,10 +28,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
 
 from flowalign.integrity import folder_sha256, sha256_mismatch
+from flowalign.logs import get_logger
 
+log = get_logger("checkpoint")
 CHECKPOINT_NAME = re.compile(r"epoch-(\d+)")  # complete checkpoints only: not *.tmp (being written), *.old (going)
 
 
@@ -185,8 +186,7 @@ class Checkpointer:
                 loaded, error = None, e
             if not self.dist.any(error is not None):  # all processes agree on one checkpoint
                 counters = self.apply(loaded)
-                if self.dist.accelerator.is_main_process:
-                    tqdm.write(f"resuming from {path} (epoch {counters['epoch']})")
+                log.info("resuming from %s (epoch %d)", path, counters["epoch"])  # main process only (logs.py)
                 return counters
             if error is not None:
                 print(f"flowalign: resume: skipping {path}: {error}", file=sys.stderr, flush=True)

@@ -10,6 +10,7 @@ Examples::
     flowalign grid --policies base runs/shapes-flow-grpo --prompts shapes:test --out grid.png
     flowalign eval --policies base runs/shapes-flow-grpo/final --rewards shapes,jpeg_compressibility --out eval
     flowalign report runs/shapes-flow-grpo --eval eval
+    flowalign push runs/shapes-flow-grpo --repo me/shapes-flow-grpo-lora   # final/ with its model card
 """
 
 from __future__ import annotations
@@ -18,7 +19,17 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
+# Nothing heavy at the top: ``flowalign --help`` and ``flowalign train --help`` answer after parsing
+# the arguments, before torch, diffusers or the trainer load (scripts/benchmark_cli_startup.py);
+# each command imports what it needs.
+
+CONFIG_KEYS_HELP = (
+    "Where every config key is documented: docs/config.md, the reference of every key (type, default, "
+    "meaning; generated from the code, checked by tests/test_config_reference.py). Each key is defined "
+    "and commented in flowalign/config.py (the sections model, sampling, data, reward, train, eval, explore, "
+    "routing; CHOICES and check_values hold the rules that tie keys together); each method's own train.* "
+    "options in its file flowalign/objectives/<method>.py; model.kwargs per family in pipelines/<family>.py "
+    "(`flowalign train CONFIG --dry-run` checks them all); reward.kwargs in reward_models/<reward>.py.")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -93,7 +104,7 @@ def _sampling_only(config):
 def cmd_train(args) -> int:
     from flowalign.config import load_config
     from flowalign.faults import RunStopped
-    from flowalign.trainer import train
+    from flowalign.api import train
 
     config = load_config(args.config, args.overrides)
     if args.dry_run:
@@ -129,6 +140,8 @@ def cmd_generate_groups(args) -> int:
 
 
 def cmd_grid(args) -> int:
+    import torch
+
     from flowalign.evaluation import load_policy, resolve_policies, sample_images
     from flowalign.grids import as_image_cells, labelled_grid, save_gif, save_grid
     from flowalign.prompts import load_prompts
@@ -220,6 +233,21 @@ def cmd_sample(args) -> int:
     return 0
 
 
+def cmd_push(args) -> int:
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from flowalign.outputs import push_run
+
+    try:
+        commit = push_run(args.run, args.repo, private=args.private, endpoint=args.endpoint, message=args.message)
+    except HfHubHTTPError as error:  # no token, no rights, the hub down: one line, no traceback
+        print(f"flowalign: error: pushing {args.run}/final to {args.repo} failed: {str(error).splitlines()[0]}",
+              file=sys.stderr)
+        return 1
+    print(f"uploaded {args.run}/final to {args.repo}: {commit}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowalign", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -227,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run an alignment experiment from a YAML config",
                        description="Run an experiment. Any config value can be overridden: key.sub=value "
                                    "(e.g. train.learning_rate=1e-4 sampling.num_steps=8). resume=auto continues "
-                                   "from the latest checkpoint in output_dir.")
+                                   "from the latest checkpoint in output_dir.",
+                       epilog=CONFIG_KEYS_HELP)
     p.add_argument("config", help="YAML recipe, e.g. configs/shapes_flow_grpo.yaml")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     p.add_argument("--dry-run", action="store_true",
@@ -300,6 +329,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a connection that sends nothing for this long is closed (its thread ends)")
     p.set_defaults(func=cmd_reward_server)
 
+    p = sub.add_parser("push", help="upload a run's final/ (weights, model card, grid) to the Hugging Face hub",
+                       description="Creates the repository if needed (huggingface_hub create_repo) and uploads "
+                                   "RUN/final with upload_folder. Log in first (`hf auth login`) or set HF_TOKEN.")
+    p.add_argument("run", help="the run's output_dir")
+    p.add_argument("--repo", required=True, help="hub repository id, e.g. me/shapes-nft-lora")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.add_argument("--message", default=None, help="commit message (default: flowalign: RUN's name)")
+    p.add_argument("--endpoint", default=None, help="another hub's URL (default: huggingface_hub's, HF_ENDPOINT)")
+    p.set_defaults(func=cmd_push)
+
     p = sub.add_parser("sample", help="images for one prompt, one file per seed")
     _add_model_args(p)
     p.add_argument("--weights", default=None, help="trained weights: a run's final/ or a checkpoint's policy/")
@@ -310,12 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from flowalign.config import ConfigError
+    args = build_parser().parse_args(argv)  # --help and usage errors exit here, before anything heavy loads
     from flowalign.checkpoint import CheckpointError
+    from flowalign.config import ConfigError
     from flowalign.faults import RunStopped
     from pipelines.base import ModelNotFoundError
 
-    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ConfigError, CheckpointError, ModelNotFoundError, FileNotFoundError) as error:

@@ -42,7 +42,7 @@ class ModelConfig:
     # it). One that cannot run falls back to sdpa with a one-line message. pipelines/attention.py
     attention: str = "auto"
     height: Optional[int] = None  # pixels; None: the pipeline's default size
-    width: Optional[int] = None
+    width: Optional[int] = None  # pixels; None: the pipeline's default size
     # video families (wan): frames per sample, 1 + a multiple of the VAE's temporal compression (Wan: 4k + 1);
     # None: the pipeline's default (Wan: 81). Rewards receive float [B, num_frames, 3, H, W] (reward_models/base.py)
     num_frames: Optional[int] = None
@@ -60,20 +60,20 @@ class ModelConfig:
 
 @dataclass
 class SamplingConfig:
-    num_steps: int = 10
+    num_steps: int = 10  # denoising steps of a rollout
     eta: float = 1.0  # SDE noise level of the trained steps
     # the stochastic step of velocity models: flow_grpo | cps | dance_grpo (flowalign.samplers.flow_sde);
     # ε-prediction models (sd, sdxl) always take the DDIM step
     sde: str = "flow_grpo"
-    guidance_scale: float = 1.0
+    guidance_scale: float = 1.0  # classifier-free guidance scale (1 = off; flux: dev's embedded guidance)
     step_mode: str = "all"  # all | fraction | window (flowalign.samplers.steps)
-    fraction: float = 0.6
-    window_size: int = 2
+    fraction: float = 0.6  # step_mode fraction: the share of steps that are stochastic and trained
+    window_size: int = 2  # step_mode window: consecutive stochastic, trained steps
     window_start: Optional[int] = None  # None: random per rollout batch
     # MixGRPO: > 0 slides the window window_stride steps later every window_shift_every epochs,
     # from window_start (or 0) on (flowalign.samplers.steps.sliding_window_start)
     window_shift_every: int = 0
-    window_stride: int = 1
+    window_stride: int = 1  # steps the window moves each time it slides
     shared_group_noise: bool = False  # one initial noise per prompt group
     log_prob_reduction: str = "mean"  # mean | sum over latent elements
     # masked discrete diffusion (model.family chess, pipelines/unmasking.py): how many
@@ -81,14 +81,14 @@ class SamplingConfig:
     # of the model's categoricals (training rescores at the same one); the log-prob is always the
     # sum over the newly unmasked positions, every step is stochastic and trained
     unmask_schedule: str = "cosine"
-    temperature: float = 1.0
+    temperature: float = 1.0  # sampling temperature of masked diffusion's categoricals
 
 
 @dataclass
 class DataConfig:
     # "shapes:<split>" (the built-in world: train | test | all) or a .txt / .jsonl prompt file
     train_prompts: str = "shapes:train"
-    eval_prompts: str = "shapes:test"
+    eval_prompts: str = "shapes:test"  # held-out prompts of every evaluation (same sources as train_prompts)
     # draw a category ("tag") uniformly, then a prompt in it; otherwise every prompt is equally likely
     balance_tags: bool = False
     # GDRO: the folder of pre-generated groups; `flowalign generate-groups` writes it, method=gdro reads it
@@ -97,8 +97,8 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    name: str = "shapes"
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    name: str = "shapes"  # a registered reward (reward_models/, a plug-in, or register_reward in a script)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the reward's constructor arguments (checked)
     weights: dict[str, float] = field(default_factory=lambda: {"score": 1.0})  # component → weight
     # deadline of one reward call (a batch), in seconds: a call still running then scores its batch
     # NaN (dropped and counted, like a remote server that is down); null = wait forever (flowalign/faults.py)
@@ -110,22 +110,22 @@ class RewardConfig:
 
 @dataclass
 class _GeneralTrainConfig:
-    epochs: int = 60
+    epochs: int = 60  # training epochs: sample → score → advantages → update
     max_minutes: Optional[float] = None  # also stop (evaluated and saved as usual) after this much training time
     groups_per_epoch: int = 8  # prompts per epoch per process
     group_size: int = 8  # samples per prompt
     sample_batch_size: int = 32  # rollout chunk
     train_batch_size: int = 16  # samples per optimizer step
-    inner_epochs: int = 1
-    learning_rate: float = 3e-4
-    weight_decay: float = 1e-4
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    max_grad_norm: float = 1.0
-    warmup_epochs: int = 0
-    clip_range: float = 1e-4
-    kl_beta: float = 0.0
-    advantage_clip: float = 5.0
-    global_std: bool = False
+    inner_epochs: int = 1  # passes over each epoch's samples
+    learning_rate: float = 3e-4  # AdamW learning rate (after warm-up)
+    weight_decay: float = 1e-4  # AdamW weight decay
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
+    max_grad_norm: float = 1.0  # gradient-norm clipping of each optimizer step
+    warmup_epochs: int = 0  # epochs of linear learning-rate warm-up
+    clip_range: float = 1e-4  # PPO-style clip of the likelihood ratio: |ratio − 1| ≤ clip_range
+    kl_beta: float = 0.0  # weight of the KL to the reference (untrained) policy; 0 = off
+    advantage_clip: float = 5.0  # advantages clipped to ±advantage_clip
+    global_std: bool = False  # divide by the std over the whole batch instead of each group's
     # group: (r − group mean) / std (GRPO); leave_one_out: (r − mean of the group's other samples) / group
     # std (masked DDPO, flowalign/objectives/masked_ddpo.py)
     advantage_baseline: str = "group"
@@ -139,7 +139,7 @@ class _GeneralTrainConfig:
     # every reward was NaN: a broken reward, not a bad batch; 0 = never stop
     max_nan_epochs: int = 3
     mixed_precision: str = "no"  # no | fp16 | bf16 (Accelerate)
-    seed: int = 0
+    seed: int = 0  # the run's seed: prompts, noise, LoRA init, shuffling (docs/distributed.md)
     # random streams: the global batch is drawn as this many shards, each with its own prompt, noise
     # and shuffling generators seeded by (seed, shard); a process rolls out its shards one after
     # another. Default (None): one shard per process. The same value on runs with different numbers
@@ -159,8 +159,8 @@ class ExploreConfig:
     # EXPLORENET (flowalign/experimental/explorenet.py): none (isotropic) | shape (learned per-element std, total fixed) |
     # magnitude (learned per-step scale only: the ablation) | both
     mode: str = "none"
-    learning_rate: float = 1e-3
-    hidden: int = 32
+    learning_rate: float = 1e-3  # Adam learning rate of the exploration net
+    hidden: int = 32  # hidden width of the exploration net
 
 
 @dataclass
@@ -171,16 +171,16 @@ class RoutingConfig:
     # (ii) each reward trains the branches it concerns (component → [video] | [audio] | [video, audio];
     # unnamed components: both), with residual corrections of the weights after `warmup` epochs
     reweight: bool = False
-    concerns: dict[str, list[str]] = field(default_factory=dict)
-    warmup: int = 5
-    strength: float = 1.0
-    threshold: float = 0.3
-    max_residual: float = 4.0
+    concerns: dict[str, list[str]] = field(default_factory=dict)  # component → the branches it trains
+    warmup: int = 5  # epochs before the residual corrections start
+    strength: float = 1.0  # residual step: ρ ← clip(ρ + strength·(threshold − cos), 0, max_residual)
+    threshold: float = 0.3  # the gradient cosine each routed reward should keep (av_routing.py)
+    max_residual: float = 4.0  # upper bound of a residual ρ
     gram_decay: float = 0.9  # EMA of the reward-gradient Gram over epochs
     # reward floors: after warm-up a reward whose training mean falls below its warm-up mean gains a
     # Lagrange multiplier λ_k (step floor_strength per warm-up std of shortfall, at most floor_max); 0 = off
     floor_strength: float = 1.0
-    floor_max: float = 10.0
+    floor_max: float = 10.0  # upper bound of a floor multiplier λ
     # with floors on: a reward at or above its floor (not suppressed in outcome) gains no residual
     # from a low gradient cosine; its residual can only decay (the weight goes to rewards that fall)
     floor_gates_residual: bool = False
@@ -191,28 +191,40 @@ class RoutingConfig:
     # (i) cross-modal influence: per-token loss weights (u / mean u)^token_alpha and gradient scales
     # of the cross-modal attention modules clip(u_l / mean u, layer_scale_min, layer_scale_max)
     influence: bool = False
-    token_alpha: float = 1.0
-    layer_scale_min: float = 0.25
-    layer_scale_max: float = 4.0
+    token_alpha: float = 1.0  # exponent of the per-token loss weights
+    layer_scale_min: float = 0.25  # lower clip of the layers' gradient scales
+    layer_scale_max: float = 4.0  # upper clip of the layers' gradient scales
 
 
 @dataclass
 class EvalConfig:
     every: int = 10  # epochs; 0 = only before and after
     seeds: int = 4  # samples per held-out prompt
-    batch_size: int = 64
-    grid_prompts: int = 12
-    grid_seeds: int = 4
+    batch_size: int = 64  # held-out samples per sampling batch
+    grid_prompts: int = 12  # rows (held-out prompts) of each evaluation grid
+    grid_seeds: int = 4  # columns (seeds) of each evaluation grid
     num_steps: Optional[int] = None  # ODE steps of the held-out samples; None: sampling.num_steps
     # rewards scored at every evaluation but never optimised (a reward-hacking check), e.g. [jpeg_compressibility]
     extra_rewards: list[str] = field(default_factory=list)
 
 
 @dataclass
+class WandbConfig:
+    """``wandb:``: the W&B run when ``tracker: wandb`` (``wandb.init``'s arguments; flowalign/outputs.py)."""
+
+    project: Optional[str] = None  # None: the name of output_dir
+    entity: Optional[str] = None  # team or user; None: W&B's default entity
+    name: Optional[str] = None  # the run's display name; None: W&B's generated one
+    tags: list[str] = field(default_factory=list)  # W&B tags of the run
+
+
+@dataclass
 class RunConfig:
-    output_dir: str = "runs/shapes-flow-grpo"
-    method: str = "flow_grpo"
-    tracker: str = "tensorboard"  # tensorboard | wandb | none
+    output_dir: str = "runs/shapes-flow-grpo"  # the run's folder: checkpoints, grids, metrics.json, final/
+    method: str = "flow_grpo"  # flow_grpo | dance_grpo | ddpo | diffusion_nft | gdro (flowalign/objectives/)
+    # tensorboard | wandb | none: metrics every epoch, evaluations and their sample grids (as images);
+    # wandb needs `pip install wandb` (refused before any model loads otherwise) and reads the wandb: section
+    tracker: str = "tensorboard"
     # torch CPU threads of each process, set when the run starts. Floating-point sums are split across
     # threads, so the numbers of a run depend on this count (and on torch's version and the CPU's
     # instruction set, both recorded in metrics.json), never on what else runs on the machine.
@@ -221,7 +233,7 @@ class RunConfig:
     # default (one per core: results then differ between machines).
     threads: int = 1
     checkpoint_every: int = 10  # epochs; 0 = only at the end
-    checkpoints_kept: int = 2
+    checkpoints_kept: int = 2  # checkpoints kept in output_dir/checkpoints; 0 = keep every one
     resume: Optional[str] = None  # "auto" (latest in output_dir), a checkpoint folder, or None
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -231,6 +243,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     explore: ExploreConfig = field(default_factory=ExploreConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 CHOICES = {
@@ -242,7 +255,7 @@ CHOICES = {
     "sampling.log_prob_reduction": ("mean", "sum"),
     "sampling.unmask_schedule": ("cosine", "linear"),
     "train.advantage_baseline": ("group", "leave_one_out"),
-    "train.mixed_precision": ("no", "fp16", "bf16"),
+    "train.mixed_precision": ("no", "fp16", "bf16"),  # `accelerate launch --mixed_precision` must agree (preflight)
     "tracker": ("tensorboard", "wandb", "none"),
     "reward.on_error": ("raise", "nan"),
 }  # method: one of the registered objectives (flowalign/objectives/base.py), checked by check_values
@@ -378,9 +391,27 @@ def source_of(config: RunConfig, key: str, default: str = "config") -> str:
     return sources["file"]
 
 
+def check_types(config: RunConfig, where: str = "RunConfig") -> None:
+    """A config built in Python (``RunConfig(train=TrainConfig(epochs=2), ...)``) checked as a YAML
+    file is: every section the dataclass it names, every value of its annotated type, every choice
+    one of CHOICES. Raises ConfigError naming the key."""
+    if not isinstance(config, RunConfig):
+        raise ConfigError(f"{where}: expected a RunConfig (flowalign.load_config or RunConfig(...)), "
+                          f"got {type(config).__name__}")
+    hints = typing.get_type_hints(RunConfig)
+    for f in dataclasses.fields(RunConfig):
+        section = hints[f.name]
+        if dataclasses.is_dataclass(section) and not isinstance(getattr(config, f.name), section):
+            raise ConfigError(f"{where}: {f.name} must be a {section.__name__} (flowalign.config), got "
+                              f"{type(getattr(config, f.name)).__name__}")
+    _build(RunConfig, to_dict(config), "", where)
+
+
 def check_values(config: RunConfig, where: str = "config") -> None:
-    """Cross-field checks that types alone cannot express. A failure names the key and where its
-    value came from (``source_of``: the override that set it, else ``where``)."""
+    """Types (``check_types``: a config built in Python gets the checks of a file), then cross-field
+    checks that types alone cannot express. A failure names the key and where its value came from
+    (``source_of``: the override that set it, else ``where``)."""
+    check_types(config, where if getattr(config, "sources", None) is not None else "RunConfig")
     t, s, e = config.train, config.sampling, config.eval
     rules = [
         ("checkpoint_every", config.checkpoint_every >= 0, "must be ≥ 0 (0 = only at the end)"),

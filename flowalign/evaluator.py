@@ -10,14 +10,17 @@ batches in order (the same draws before and after; the samples differ only throu
 from __future__ import annotations
 
 import torch
-from tqdm.auto import tqdm
 
 from flowalign.checkpoint import CheckpointError, read_torch, torch_save
 from flowalign.ema import maybe_swapped_in
 from flowalign.epoch_sampler import cat_components, masked_rollout, reward_chunk
 from flowalign.evaluation import EVAL_SEED, held_out_noise, ode_samples, paired_change
 from flowalign.grids import as_image_cells, load_grids, save_grid, side_by_side, to_pil_grid, with_inputs
+from flowalign.logs import get_logger
+from flowalign.outputs import log_grid
 from pipelines.base import encode_records
+
+log = get_logger("evaluator")
 
 
 def latent_diversity(latents: torch.Tensor, seeds: int) -> float:
@@ -65,9 +68,10 @@ class Evaluator:
             if acc.is_main_process:
                 with maybe_swapped_in(self.ema):
                     result = self._evaluate_main(label, epoch, train_seconds)
-                tqdm.write(f"eval {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()
+                log.info("eval %s: %s", label, ", ".join(f"{k} {v:.3f}" for k, v in result.items()
                                                          if isinstance(v, float)))
                 acc.log({f"eval/{k}": v for k, v in flat(result).items() if isinstance(v, (int, float))}, step=epoch)
+                log_grid(acc, self.grids.get(label), epoch)  # the grid as an image in TensorBoard / W&B
             acc.wait_for_everyone()
         return result
 

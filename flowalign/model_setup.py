@@ -22,11 +22,14 @@ class TrainedModel:
     optimizer: torch.optim.Optimizer
 
 
-def build_model(config: RunConfig, accelerator, objective_cls) -> TrainedModel:
+def build_model(config: RunConfig, accelerator, objective_cls, adapter=None) -> TrainedModel:
+    """``adapter``: one already loaded (``flowalign.train(adapter=...)``), on the run's device; its
+    LoRA or full fine-tuning is set up on it in place. None: ``model.path`` is loaded."""
     m, t = config.model, config.train
     # attention is set here, before the LoRA and any frozen reference copy; num_frames only when set
-    adapter = load_adapter(m.family, m.path, dtype=m.dtype, device=accelerator.device, height=m.height, width=m.width,
-                           num_frames=m.num_frames, attention=m.attention, options=m.kwargs)
+    if adapter is None:
+        adapter = load_adapter(m.family, m.path, dtype=m.dtype, device=accelerator.device, height=m.height,
+                               width=m.width, num_frames=m.num_frames, attention=m.attention, options=m.kwargs)
     check_loaded_adapter(config, adapter, objective_cls)
     encode = PromptEmbeddingCache(adapter, m.prompt_cache_size, offload=m.offload_text_encoders) \
         if m.prompt_cache_size else adapter.encode

@@ -116,17 +116,20 @@ def reward_arguments(factory, kwargs: dict, name: str, key: str,
     return values
 
 
-def check_rewards(config: RunConfig, adapter_cls=None) -> None:
+def check_rewards(config: RunConfig, adapter_cls=None, given: bool = False) -> None:
     """The reward, its arguments and weights, the extra evaluation rewards; for a video family, no
-    image-only reward (the trainer's own modality check, on the reward classes)."""
+    image-only reward (the trainer's own modality check, on the reward classes). ``given``: the
+    reward is an object passed in Python (``flowalign.train(reward=...)``): only the extras are looked up."""
     r = config.reward
-    factory = reward_factory(r.name, "reward.name", source_of(config, "reward.name"))
-    reward_arguments(factory, r.kwargs, r.name, "reward.kwargs", source_of(config, "reward.kwargs"))
-    declared = getattr(factory, "components", ()) if isinstance(factory, type) else ()
-    unknown = sorted(set(r.weights) - set(declared)) if declared else []
-    if unknown:
-        raise ConfigError(f"{source_of(config, 'reward.weights')}: reward.weights names {unknown}, but reward "
-                          f"{r.name!r} returns {list(declared)}")
+    factory = None
+    if not given:
+        factory = reward_factory(r.name, "reward.name", source_of(config, "reward.name"))
+        reward_arguments(factory, r.kwargs, r.name, "reward.kwargs", source_of(config, "reward.kwargs"))
+        declared = getattr(factory, "components", ()) if isinstance(factory, type) else ()
+        unknown = sorted(set(r.weights) - set(declared)) if declared else []
+        if unknown:
+            raise ConfigError(f"{source_of(config, 'reward.weights')}: reward.weights names {unknown}, but reward "
+                              f"{r.name!r} returns {list(declared)}")
     extras = []
     for i, name in enumerate(config.eval.extra_rewards):
         extra = reward_factory(name, f"eval.extra_rewards[{i}]", source_of(config, "eval.extra_rewards"))
@@ -189,13 +192,15 @@ def check_loaded_adapter(config: RunConfig, adapter, objective_cls) -> None:
                           f"with sampling.eta=0, or a model with sampling_order joint")
 
 
-def check_prompt_sets(config: RunConfig, missing_ok: bool = False) -> None:
+def check_prompt_sets(config: RunConfig, missing_ok: bool = False, given=()) -> None:
     """``data.train_prompts`` and ``data.eval_prompts`` read (split names, file type, every JSON
     line) and hold at least one prompt; ``missing_ok``: a file absent on this machine passes (the
-    dry run lists it as missing)."""
+    dry run lists it as missing); ``given``: keys whose prompts were passed in Python (not read)."""
     from flowalign.prompts import load_prompts
 
     for key in ("data.train_prompts", "data.eval_prompts"):
+        if key in given:
+            continue
         source = getattr(config.data, key.split(".")[1])
         where = source_of(config, key)
         kind, _, split = source.partition(":")
@@ -221,17 +226,25 @@ def check_output_dir(config: RunConfig) -> None:
                           "name a folder (it is created when missing)")
 
 
-def validate(config: RunConfig, missing_ok: bool = False) -> None:
+def validate(config: RunConfig, missing_ok: bool = False, given=()) -> None:
     """Every check that needs no weights (raises ConfigError, or ModelNotFoundError for a missing
     local model folder or a name that is neither a built-in demo model nor a hub id).
-    ``missing_ok``: prompt files absent on this machine pass (the dry run reports them)."""
+    ``missing_ok``: prompt files absent on this machine pass (the dry run reports them). ``given``:
+    what was passed as Python objects instead of names (``flowalign.train``): any of "reward",
+    "data.train_prompts", "data.eval_prompts", "model" (a loaded adapter), not looked up here."""
     from pipelines.base import ModelNotFoundError, resolve_model_path
 
+    from flowalign.outputs import check_launch_precision, check_tracker
+
     check_values(config)
+    check_tracker(config)
+    check_launch_precision(config)
     cls = check_model(config)
-    check_rewards(config, cls)
-    check_prompt_sets(config, missing_ok)
+    check_rewards(config, cls, given="reward" in given)
+    check_prompt_sets(config, missing_ok, given)
     check_output_dir(config)
+    if "model" in given:
+        return
     try:
         resolve_model_path(config.model.path)  # a hub id passes; its download is tried when the model loads
     except ModelNotFoundError as error:

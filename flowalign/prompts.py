@@ -11,13 +11,20 @@ import json
 from pathlib import Path
 
 
-def load_prompts(source: str) -> list[dict]:
-    """``"shapes:train"`` / ``"shapes:test"`` / ``"shapes:all"``, ``"chess:train"`` /
+def load_prompts(source: str | list) -> list[dict]:
+    """A list given in Python (prompt strings or records with a "prompt" key) as records, or
+    ``"shapes:train"`` / ``"shapes:test"`` / ``"shapes:all"``, ``"chess:train"`` /
     ``"chess:test"`` (theme requests, ``flowalign.chess.requests``; ``chess:<split>:<model folder>``
     for another model's split), ``"av:train"`` / ``"av:test"`` / ``"av:all"`` (the audio-video
     world, ``reward_models.worlds.audio_video``), a ``.txt`` file (one prompt per line), a ``.jsonl`` file (one
     record per line with a "prompt" key) or a ``.csv`` file (a header row naming a "prompt" column;
     every column becomes a key of the record)."""
+    if isinstance(source, (list, tuple)):
+        records = [{"prompt": p} if isinstance(p, str) else dict(p) for p in source]
+        bad = next((i for i, r in enumerate(records) if not str(r.get("prompt", "")).strip()), None)
+        if bad is not None:
+            raise ValueError(f"prompt list: item {bad} has no prompt (a string, or a record with a \"prompt\" key)")
+        return records
     if source.startswith("shapes:"):
         from reward_models.worlds.shapes import prompt_split
 

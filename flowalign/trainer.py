@@ -43,19 +43,28 @@ from flowalign.ema import EMA, maybe_swapped_in
 from flowalign.epoch_sampler import EpochBatch, EpochSampler
 from flowalign.evaluator import Evaluator, flat
 from flowalign.faults import NanEpochStreak, RewardGuard, finite_json
+from flowalign.logs import add_default_handler, get_logger
 from flowalign.model_setup import build_model
 from flowalign.objectives.base import Context, objective_class
+from flowalign.outputs import init_trackers, write_hub_files
 from flowalign.preflight import check_modality, check_reward_components, family_prediction, validate
 from flowalign.prompts import load_prompts
 from flowalign.stopping import GracefulStop
-from reward_models.base import build_reward
+from reward_models.base import as_reward, build_reward
+
+log = get_logger("trainer")
 
 
 class Trainer:
-    """``Trainer(config).train()`` runs a whole experiment; ``history`` holds one dict per epoch."""
+    """``Trainer(config).train()`` runs a whole experiment; ``history`` holds one dict per epoch.
+    ``reward`` (a Reward or a reward function), ``train_prompts`` / ``eval_prompts`` (lists) and a
+    loaded ``adapter``, when given, replace what the config names (``flowalign.train``, flowalign/api.py)."""
 
-    def __init__(self, config: RunConfig):
-        validate(config)  # every check that needs no weights (flowalign/preflight.py: also `train --dry-run`)
+    def __init__(self, config: RunConfig, *, reward=None, train_prompts=None, eval_prompts=None, adapter=None):
+        given = {key for key, value in (("reward", reward), ("data.train_prompts", train_prompts),
+                                        ("data.eval_prompts", eval_prompts), ("model", adapter)) if value is not None}
+        add_default_handler()  # messages through logging, main process only (flowalign/logs.py)
+        validate(config, given=given)  # every check that needs no weights (flowalign/preflight.py: also `train --dry-run`)
         if config.threads:  # before any tensor work: a run's numbers depend on its thread count
             torch.set_num_threads(config.threads)
         self.config, t = config, config.train
@@ -73,15 +82,16 @@ class Trainer:
                               f"remove it: the trainer accumulates each minibatch over its {accumulation} loss terms")
         self.dist = Distributed(acc, t)
         self.dist.check_backend(accumulation, t)
-        self.train_specs = load_prompts(config.data.train_prompts)
-        self.eval_specs = load_prompts(config.data.eval_prompts)
+        self.train_specs = load_prompts(config.data.train_prompts if train_prompts is None else train_prompts)
+        self.eval_specs = load_prompts(config.data.eval_prompts if eval_prompts is None else eval_prompts)
         r = config.reward  # each call with a deadline and an error policy (flowalign/faults.py)
-        self.reward = RewardGuard(build_reward(r.name, **r.kwargs), r.name, r.timeout_s, r.on_error, r.weights)
+        reward = build_reward(r.name, **r.kwargs) if reward is None else as_reward(reward)
+        self.reward = RewardGuard(reward, r.name, r.timeout_s, r.on_error, r.weights)
         self.extra_rewards = [build_reward(name) for name in config.eval.extra_rewards]
         check_reward_components(config, self.reward)
         check_modality(config, self.reward, self.extra_rewards)
 
-        built = build_model(config, acc, objective_cls)
+        built = build_model(config, acc, objective_cls, adapter)
         self.adapter, self.encode, self.params = built.adapter, built.encode, built.params
         self.model, self.optimizer = built.model, built.optimizer
         self.ema = EMA(self.params, t.ema_decay) if t.ema_decay > 0 else None
@@ -125,11 +135,9 @@ class Trainer:
             if acc.is_main_process:
                 self.out.mkdir(parents=True, exist_ok=True)
                 (self.out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-            if cfg.tracker != "none":
-                acc.init_trackers(self.out.name or "flowalign", config=flat(to_dict(cfg)))
-            if acc.is_main_process:
-                tqdm.write("determinism: " + ", ".join(f"{k} {v}" for k, v in run_environment().items())
-                           + " (the same seed and these give the same numbers)")
+            init_trackers(acc, cfg, flat(to_dict(cfg)))  # flowalign/outputs.py: TensorBoard, or W&B's wandb: section
+            log.info("determinism: %s (the same seed and these give the same numbers)",
+                     ", ".join(f"{k} {v}" for k, v in run_environment().items()))
             if "before" not in self.evals:
                 self.evals["before"] = self.evaluate("before")
             start = self.session_start = time.time()
@@ -252,9 +260,8 @@ class Trainer:
     def _stopped(self, signal_name: str, checkpoint: Path) -> dict:
         """The summary of a run stopped by a signal: no final eval, no ``final/`` (the run is not done)."""
         acc = self.accelerator
-        if acc.is_main_process:
-            tqdm.write(f"stopped by {signal_name} after epoch {self.epoch}/{self.config.train.epochs}; checkpoint "
-                       f"{checkpoint}; continue with resume=auto")
+        log.info("stopped by %s after epoch %d/%d; checkpoint %s; continue with resume=auto", signal_name,
+                 self.epoch, self.config.train.epochs, checkpoint)
         acc.end_training()
         return {"interrupted": signal_name, "checkpoint": str(checkpoint), "epochs": self.epoch,
                 "before": self.evals.get("before"), "after": None, "evals": self.evals}
@@ -296,6 +303,7 @@ class Trainer:
                 summary["delta"] = {k: after[k] - before[k] for k in after
                                     if isinstance(after[k], float) and isinstance(before.get(k), float)}
             self.evaluator.save_before_after()
+            write_hub_files(self.out, self.config, summary)  # final/README.md, the model card (flowalign/outputs.py)
             (self.out / "metrics.json").write_text(json.dumps(finite_json(summary), indent=2))  # NaN → null
             with open(self.out / "history.jsonl", "w") as f:
                 f.writelines(json.dumps(finite_json(h)) + "\n" for h in self.history)
@@ -310,4 +318,5 @@ def run_environment() -> dict:
 
 
 def train(config: RunConfig) -> dict:
+    """``Trainer(config).train()``; the Python API with objects for names: ``flowalign.train`` (flowalign/api.py)."""
     return Trainer(config).train()

@@ -136,3 +136,20 @@ def test_a_missing_prompt_file_stops_training_but_not_the_dry_run(tmp_path, caps
     assert f"data.train_prompts: prompt file not found: tried {missing}" in capsys.readouterr().err
     assert main(["train", DEMO, f"data.train_prompts={missing}", "--dry-run"]) == 0  # listed there as missing
     assert "absent.txt" in capsys.readouterr().out
+
+
+def test_help_answers_before_torch_loads():
+    # scripts/benchmark_cli_startup.py times it; here: nothing heavy is imported to print help
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom flowalign.cli import main\n"
+            "for argv in (['--help'], ['train', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0\n"
+            "heavy = [m for m in ('torch', 'diffusers', 'accelerate', 'flowalign.trainer', 'flowalign.config') "
+            "if m in sys.modules]\nassert not heavy, heavy\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "docs/config.md" in out.stdout  # train --help says where every key is documented
+    out = subprocess.run([sys.executable, "-m", "flowalign", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "flowalign train" in out.stdout
