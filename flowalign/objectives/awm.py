@@ -11,23 +11,27 @@ sample, for a noising draw (σ, ε) (``../shared/METHODS.md`` notation):
     L      = mean_i A_i·ℓ_θ(x_i)  +  β·mean_i mean‖v_θ − v_ref‖²       (the AWM objective)
 
 ℓ_θ is, up to constants, −log p_θ(x0) through the flow-matching ELBO, so L is the policy gradient
-E[A·∇log p_θ(x0)] with the ELBO in place of the log-likelihood (the paper's main objective, its
-Sec. 4; we could not check its equation numbers against the paper text, so none are cited). A
-positive advantage pulls v_θ toward the sample's velocity (flow matching toward it), a negative one
-pushes it away. With A ≡ c > 0 the loss is c times plain flow matching toward the rollouts.
+E[A·∇log p_θ(x0)] with the ELBO in place of the log-likelihood (the paper's objective; we could not
+check its equation numbers against the paper text, so none are cited). A positive advantage pulls
+v_θ toward the sample's velocity (flow matching toward it), a negative one pushes it away. With
+A ≡ c > 0 the loss is c times plain flow matching toward the rollouts.
 
-Reference / KL: the paper regularises with a KL to the reference policy which, between two flow
-models' Gaussian transitions, is proportional to ‖v_θ − v_ref‖²; here it is ``train.kl_beta``
-(the reference = the adapter with its LoRA disabled), default 0 as in our other forward-process
-recipes. Timesteps: σ is drawn from the sampling schedule's levels (``train.noise_draws`` distinct
-steps per sample per update, as DiffusionNFT); the paper trains on the discretised schedule of the
-sampler rather than a continuous t ~ U(0, 1). ``train.awm_time_weighting`` sets w(σ): "uniform"
-(w = 1, the pre-training loss) or "sigma" (w = σ, upweighting noisy levels).
+What the authors' code and SD3.5-M configs (scxue/advantage_weighted_matching, read, not copied)
+do beyond this, and what we do: (i) it wraps −ℓ_θ in Flow-GRPO's clipped ratio exp(ℓ_old − ℓ_θ),
+old = the rollout weights, but its GenEval / OCR / PickScore configs set clip_range = 1 (no
+effective clip); at ratio 1 that loss has exactly our gradient A·∇ℓ_θ, and we do not clip.
+(ii) Reference / KL: β·mean‖v_θ − v_ref‖² to the LoRA-disabled model, β = 0.003 (GenEval, OCR) and
+1e-4 (PickScore), plus a second such term toward an EMA of the policy, which we do not implement;
+here ``train.kl_beta`` (our shapes recipe keeps 0, as every shapes recipe). (iii) Timesteps: its
+configs train 6 of the sampler's discrete steps per sample, stratified over the first 90 % and
+(GenEval, OCR) skipping the first; we draw ``train.noise_draws`` distinct schedule steps per sample
+per update, uniformly, as DiffusionNFT. (iv) Weighting: its configs use a generalised-Huber
+w(ℓ, t) = t·((ℓ + ε)^p − ε^p)/p, p = 0.25 (its code's default is uniform); ``train.awm_time_weighting``
+offers "uniform" (w = 1) and "sigma" (w = σ, its "t"); the Huber forms are not implemented. (v) It
+rescales the clipped advantages to ±1 (advantage_max 1), a constant factor (the learning rate's).
 
-Decisions where the paper leaves details open: (i) each sample draws its own σ and ε (no sharing
-across a group); (ii) samples with a NaN reward (``valid`` false) are left out of the mean; (iii)
-no importance ratio / clipping: the rollout policy is the current one at the start of each update,
-so with one update per rollout the objective is exactly on-policy.
+Further decisions: each sample draws its own σ and ε (no sharing across a group); samples with a
+NaN reward (``valid`` false) are left out of the mean.
 """
 
 from __future__ import annotations
@@ -84,7 +88,8 @@ class AWMOptions:
     """``train.*`` options of method awm."""
 
     # w(σ) of the matching loss: "uniform" is the pre-training flow-matching loss the paper keeps
-    # (AWM, Sec. 4: "the same score/flow-matching loss as pretraining"); "sigma" weights by σ.
+    # (its abstract: "the same score/flow-matching loss as pretraining"; the authors' code's default
+    # weighting 'Uniform', their SD3.5 configs use a Huber form we lack); "sigma" is that code's 't'.
     awm_time_weighting: str = "uniform"
 
 
