@@ -44,6 +44,9 @@ METHODS = {  # name → (recipe, overrides)
     "dance_grpo": ("configs/shapes_dance_grpo.yaml", []),
     "gdro": ("configs/shapes_gdro.yaml", []),
     "diffusion_nft": ("configs/shapes_nft.yaml", []),
+    "awm": ("configs/shapes_awm.yaml", []),
+    "dgpo": ("configs/shapes_dgpo.yaml", []),
+    "grpo_guard": ("configs/shapes_grpo_guard.yaml", []),
     "ddpo": ("configs/shapes_ddpo.yaml", []),  # on shapes-sd15 (UNet, ε-prediction): a different base model
 }
 DEMO_MODEL = "shapes-sd3"  # the model of every recipe but DDPO's
