@@ -228,9 +228,10 @@ class RunConfig:
     # torch CPU threads of each process, set when the run starts. Floating-point sums are split across
     # threads, so the numbers of a run depend on this count (and on torch's version and the CPU's
     # instruction set, both recorded in metrics.json), never on what else runs on the machine.
-    # 1 by default: a second thread buys little on small models and, on a machine whose cores are busy,
-    # costs far more than it buys (idle threads spin waiting for a descheduled one). 0 = torch's own
-    # default (one per core: results then differ between machines).
+    # 1 by default: on the 2-core machine the demo was built on, a second thread made its epochs 2.1x
+    # faster when the machine was free but 3.7x slower beside one CPU-bound job (threads wait on a
+    # descheduled one), where one thread lost nothing (scripts/benchmark_busy_machine.py, README).
+    # 0 = torch's own default (one per core: results then differ between machines).
     threads: int = 1
     checkpoint_every: int = 10  # epochs; 0 = only at the end
     checkpoints_kept: int = 2  # checkpoints kept in output_dir/checkpoints; 0 = keep every one
