@@ -62,7 +62,8 @@ class ModelConfig:
 class SamplingConfig:
     num_steps: int = 10  # denoising steps of a rollout
     eta: float = 1.0  # SDE noise level of the trained steps
-    # the stochastic step of velocity models: flow_grpo | cps | dance_grpo (flowalign.samplers.flow_sde);
+    # the stochastic step of velocity models: flow_grpo | cps | dance_grpo | dance_grpo_euler (DanceGRPO's
+    # step without its score term, its code's sde_solver=False; flowalign.samplers.flow_sde);
     # ε-prediction models (sd, sdxl) always take the DDIM step
     sde: str = "flow_grpo"
     guidance_scale: float = 1.0  # classifier-free guidance scale (1 = off; flux: dev's embedded guidance)
@@ -123,6 +124,9 @@ class _GeneralTrainConfig:
     max_grad_norm: float = 1.0  # gradient-norm clipping of each optimizer step
     warmup_epochs: int = 0  # epochs of linear learning-rate warm-up
     clip_range: float = 1e-4  # PPO-style clip of the likelihood ratio: |ratio − 1| ≤ clip_range
+    # CFG in the training forward (guidance_scale > 1): no gradient through the unconditional branch, as
+    # Flow-GRPO's original train_sd3.py (its later scripts and ours by default train both branches)
+    detach_uncond: bool = False
     kl_beta: float = 0.0  # weight of the KL to the reference (untrained) policy; 0 = off
     advantage_clip: float = 5.0  # advantages clipped to ±advantage_clip
     global_std: bool = False  # divide by the std over the whole batch instead of each group's
@@ -251,7 +255,7 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.attention": ATTENTION_BACKENDS,
     "sampling.step_mode": ("all", "fraction", "window"),
-    "sampling.sde": ("flow_grpo", "cps", "dance_grpo"),
+    "sampling.sde": ("flow_grpo", "cps", "dance_grpo", "dance_grpo_euler"),
     "explore.mode": ("none", "shape", "magnitude", "both"),
     "sampling.log_prob_reduction": ("mean", "sum"),
     "sampling.unmask_schedule": ("cosine", "linear"),

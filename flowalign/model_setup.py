@@ -31,6 +31,7 @@ def build_model(config: RunConfig, accelerator, objective_cls, adapter=None) -> 
         adapter = load_adapter(m.family, m.path, dtype=m.dtype, device=accelerator.device, height=m.height,
                                width=m.width, num_frames=m.num_frames, attention=m.attention, options=m.kwargs)
     check_loaded_adapter(config, adapter, objective_cls)
+    adapter.detach_uncond = t.detach_uncond  # the guided prediction's gradient (pipelines/denoiser.py)
     encode = PromptEmbeddingCache(adapter, m.prompt_cache_size, offload=m.offload_text_encoders) \
         if m.prompt_cache_size else adapter.encode
     if m.lora_rank > 0:

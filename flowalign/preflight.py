@@ -190,6 +190,10 @@ def check_loaded_adapter(config: RunConfig, adapter, objective_cls) -> None:
                           f"which only DiffusionNFT with ODE rollouts trains (sampling.eta: 0); got method "
                           f"{config.method!r}, sampling.eta {config.sampling.eta}: use method: diffusion_nft "
                           f"with sampling.eta=0, or a model with sampling_order joint")
+    if config.train.detach_uncond and not getattr(adapter, "detach_uncond_supported", False):
+        raise ConfigError(f"{source_of(config, 'train.detach_uncond')}: train.detach_uncond is not supported by "
+                          f"model family {m.family!r} (its guidance does not go through "
+                          f"DenoiserAdapter.uncond_branch): set it to false")
 
 
 def check_prompt_sets(config: RunConfig, missing_ok: bool = False, given=()) -> None:

@@ -146,6 +146,7 @@ class ChessAdapter(DenoiserAdapter):
     """
 
     prediction = "logits"
+    detach_uncond_supported = False  # guided_logits mixes log-softmaxes; train.detach_uncond is not wired in
     family = "chess"
     pipeline_class = ChessPuzzlePipeline
     model_folder = "model"

@@ -102,6 +102,10 @@ class DenoiserAdapter:
     model_folder: str
     lora_targets: tuple[str, ...]
     negative_prompt: str = ""  # CFG's negative branch (families with a ``negative_prompt`` option set their own)
+    # train.detach_uncond (set by the trainer): CFG's unconditional branch carries no gradient. The
+    # values are the same either way; only the training gradient differs (uncond_branch)
+    detach_uncond: bool = False
+    detach_uncond_supported: bool = True  # False where the family's CFG does not go through uncond_branch
 
     def __init__(self, pipe, *, device: str | torch.device = "cpu", height: int | None = None,
                  width: int | None = None):
@@ -222,12 +226,18 @@ class DenoiserAdapter:
             t = t.repeat(batch // len(t))
         return t.expand(batch)
 
-    @staticmethod
-    def guide(output: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+    def uncond_branch(self, uncond: torch.Tensor) -> torch.Tensor:
+        """CFG's unconditional prediction as the guided output uses it: detached under
+        ``detach_uncond`` (Flow-GRPO's original train_sd3.py), so that with g the guided gradient is
+        g·∇cond instead of (1 − g)·∇uncond + g·∇cond."""
+        return uncond.detach() if self.detach_uncond else uncond
+
+    def guide(self, output: torch.Tensor, guidance_scale: float) -> torch.Tensor:
         """[2B, ...] → uncond + g·(cond − uncond) [B, ...]; unchanged without CFG."""
         if guidance_scale <= 1.0:
             return output
         uncond, text = output.chunk(2)
+        uncond = self.uncond_branch(uncond)
         return uncond + guidance_scale * (text - uncond)
 
     # -- decoding ------------------------------------------------------------------------

@@ -61,6 +61,7 @@ class LTX2Adapter(DenoiserAdapter):
     """
 
     prediction = "velocity"
+    detach_uncond_supported = False  # _guided combines x̂0s per modality; train.detach_uncond is not wired in
     family = "ltx2"
     modality = "audio_video"  # decode gives AudioVideoSamples; x is a joint latent [B, D]
     branches = BRANCHES

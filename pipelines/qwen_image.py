@@ -93,7 +93,8 @@ class QwenImageAdapter(DenoiserAdapter):
         v = self._forward(model, packed, t, tensors["embeds"], tensors["mask"], tensors, (h, w))
         if guidance_scale > 1.0:
             embeds, mask = self.negative_tokens(cond)
-            v = norm_rescaled_cfg(v, self._forward(model, packed, t, embeds, mask, tensors, (h, w)), guidance_scale)
+            negative = self.uncond_branch(self._forward(model, packed, t, embeds, mask, tensors, (h, w)))
+            v = norm_rescaled_cfg(v, negative, guidance_scale)
         return self.pipe._unpack_latents(v, self.height, self.width, self.pipe.vae_scale_factor).squeeze(2)
 
     def negative_tokens(self, cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,10 @@ from pipelines.base import Conditioning, Schedule
 from pipelines.denoiser import DTYPES, LORA_WEIGHTS_NAME  # noqa: F401 (re-exported)
 from pipelines.denoiser import JOINT_ATTENTION_LORA_TARGETS, DenoiserAdapter
 
-LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
+# the joint attention's 8 projections, as Flow-GRPO's train_sd3.py and diffusers' SD3 LoRA scripts name them:
+# "attn.to_q" matches transformer_blocks.N.attn.to_q but not the second, image-only attention attn2 of
+# SD3.5's dual-attention blocks (bare "to_q" would adapt both)
+LORA_TARGETS = tuple(f"attn.{name}" for name in JOINT_ATTENTION_LORA_TARGETS)
 
 
 def _without_t5(path: str) -> bool:

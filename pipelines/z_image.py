@@ -102,6 +102,7 @@ class ZImageAdapter(DenoiserAdapter):
     def _guide(self, pos: torch.Tensor, neg: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """pos + g·(pos − neg) per sample [B, C, h, w] (g = 0: pos), each capped at cfg_normalization × |pos|."""
         g = scale.view(-1, 1, 1, 1)
+        neg = self.uncond_branch(neg)
         guided = pos + g * (pos - neg)
         if self.cfg_normalization > 0:
             pos_norm = torch.linalg.vector_norm(pos.flatten(1), dim=1).view(-1, 1, 1, 1)

@@ -1,5 +1,6 @@
 """DanceGRPO (Xue et al. 2025) as a preset of Flow-GRPO: DanceGRPO's SDE (a flat noise schedule,
-``sampling.sde: dance_grpo``), no KL term and no reference model. Its other options are general
+``sampling.sde: dance_grpo``, or ``dance_grpo_euler``: the same step without the score term, its
+code's ``sde_solver=False``), no KL term and no reference model. Its other options are general
 ones a recipe sets (configs/shapes_dance_grpo.yaml): ``sampling.shared_group_noise``,
 ``sampling.step_mode: fraction``, ``train.keep_extremes`` (best-of-N) and
 ``train.per_reward_advantages`` (one clipped objective per reward component)."""
@@ -19,6 +20,7 @@ class DanceGRPO(FlowGRPO):
         return super().validate(config) + [
             ("train.kl_beta", config.train.kl_beta == 0,
              "must be 0 for dance_grpo (no reference model); use method=flow_grpo for a KL"),
-            ("sampling.sde", config.sampling.sde == "dance_grpo",
-             "must be dance_grpo for method dance_grpo (its flat-noise SDE); use method=flow_grpo for another step"),
+            ("sampling.sde", config.sampling.sde in ("dance_grpo", "dance_grpo_euler"),
+             "must be dance_grpo (or dance_grpo_euler, without the score term) for method dance_grpo (its "
+             "flat-noise SDE); use method=flow_grpo for another step"),
         ]

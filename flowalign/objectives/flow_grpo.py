@@ -5,16 +5,54 @@ Per trained step (``../shared/METHODS.md`` §3):
     ratio = exp(log p_θ(x'|x) − log p_old(x'|x))
     L     = mean_i max(−A_i·ratio_i, −A_i·clip(ratio_i, 1 − ε, 1 + ε)) + β·KL
             (DanceGRPO, per reward c: mean_i Σ_c w_c·max(−A_ic·ratio_i, −A_ic·clip(ratio_i)), β = 0)
-    KL    = ‖μ_θ − μ_ref‖² / (2·std²)     (two Gaussians with the same std; reduced like log p)
+    KL    = ‖μ_θ − μ_ref‖² / (2·s²)       (reduced like log p over elements)
+
+Which s, ``train.kl_convention``: "exact" (the default) takes the transition's own std, s = σ_t·sqrt(|dt|)
+for the flow SDE, so KL is the KL between the two per-step Gaussians. "flow_grpo" takes what Flow-GRPO's
+train_sd3.py divides by, the SDE's σ_t without the step's dt (s = std / sqrt(σ − σ')): its KL is the
+exact one times |dt|, so the same β is 1/|dt| times weaker than under "exact" (×9 on a uniform 10-step
+schedule, ×3.7 to ×25 per step on SD3.5's shift-3 schedule). A β copied from Flow-GRPO means what it
+meant there only with "flow_grpo". For CPS Flow-GRPO's σ_t is the transition std itself, so the two
+conventions agree.
+
+Samples whose advantage is zero (every column, |A| ≤ 1e-6: a group with no reward spread) carry no
+policy gradient but count in the mean, so the gradient's scale depends on how many groups had no
+spread. ``train.zero_advantage: drop`` leaves them out of the mean, as Flow-GRPO's train_sd3.py
+does (it filters them out of the epoch's batch before training); "keep" (the default) keeps them.
+The KL term then averages over the kept samples only, as in Flow-GRPO.
 
 The trainer sums this over trained steps by gradient accumulation.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from flowalign.samplers.flow_sde import reduce_elements
+
+KL_CONVENTIONS = ("exact", "flow_grpo")
+ZERO_ADVANTAGE = ("keep", "drop")
+ZERO_ADVANTAGE_TOL = 1e-6  # |A| at or below this is "zero": a no-spread group's mean may round by an ulp
+
+
+def kl_std(std: torch.Tensor, sigma: float, sigma_next: float, *, convention: str, sde: str) -> torch.Tensor:
+    """The s the KL term divides by (module docstring). std: the transition std [B, 1, ...]
+    (broadcastable); σ > σ': the step's noise levels. "exact" → std; "flow_grpo" → std / sqrt(σ − σ')
+    for the flow SDE (Flow-GRPO's σ_t) and std for CPS (its σ_t is the std). Same shape as std."""
+    if convention == "exact" or sde == "cps":
+        return std
+    if convention == "flow_grpo" and sde == "flow_grpo":
+        return std / math.sqrt(sigma - sigma_next)
+    raise ValueError(f"kl_convention {convention!r} is defined for the flow_grpo and cps steps, not {sde!r}")
+
+
+def nonzero_advantage(advantages: torch.Tensor) -> torch.Tensor:
+    """advantages [B] or [B, C] → bool [B]: some column has |A| > ZERO_ADVANTAGE_TOL."""
+    a = advantages.abs() if advantages.ndim == 1 else advantages.abs().amax(dim=1)
+    return a > ZERO_ADVANTAGE_TOL
 
 
 def flow_grpo_loss(
@@ -36,9 +74,9 @@ def flow_grpo_loss(
     log_prob, old_log_prob: [B]; advantages: [B], or [B, C] with one column per reward and
     ``advantage_weights`` [C] (DanceGRPO: each reward's clipped objective, summed with its
     weight); mean, ref_mean: [B, ...] transition means under the policy and the reference (needed
-    when β > 0); std: broadcastable to mean; weight: [B] in {0, 1}, which samples train this step
-    (all when None). The loss is the weighted mean over samples. Returns (loss scalar, stats:
-    policy_loss, kl, ratio, clipfrac, approx_kl).
+    when β > 0); std: the s of the KL (``kl_std``), broadcastable to mean; weight: [B] in {0, 1},
+    which samples train this step (all when None). The loss is the weighted mean over samples.
+    Returns (loss scalar, stats: policy_loss, kl, ratio, clipfrac, approx_kl).
     """
     weight = torch.ones_like(log_prob) if weight is None else weight.float()
     denom = weight.sum().clamp(min=1.0)
@@ -76,6 +114,18 @@ from flowalign.rollout import transition  # noqa: E402
 from flowalign.samplers.steps import plan_steps  # noqa: E402
 
 
+@dataclass
+class FlowGRPOOptions:
+    """``train.*`` options of the clipped-ratio methods (flow_grpo, dance_grpo, ddpo, grpo_guard)."""
+
+    # which std the KL to the reference divides by: exact (the KL of the two per-step Gaussians) |
+    # flow_grpo (Flow-GRPO's σ_t without the step's dt: the same β is 1/|dt| times weaker); module docstring
+    kl_convention: str = "exact"
+    # samples whose advantage is 0 (a group with no reward spread): keep them in the loss's mean | drop
+    # them from it, as Flow-GRPO does (the gradient's scale then does not depend on how many groups had no spread)
+    zero_advantage: str = "keep"
+
+
 @register
 class FlowGRPO(BaseObjective):
     """Flow-GRPO: rescore each trained SDE step of the rollout under the current weights (the
@@ -86,11 +136,27 @@ class FlowGRPO(BaseObjective):
     name = "flow_grpo"
     rollout = "sde"
     predictions = ("velocity",)
+    options = (FlowGRPOOptions,)
 
     @classmethod
     def validate(cls, config) -> list[tuple[str, bool, str]]:
-        return [("sampling.eta", config.sampling.eta > 0,
-                 "must be > 0 to train with log-probabilities (η = 0 is ODE sampling; diffusion_nft and gdro allow it)")]
+        t, s = config.train, config.sampling
+        return [("sampling.eta", s.eta > 0,
+                 "must be > 0 to train with log-probabilities (η = 0 is ODE sampling; diffusion_nft and gdro allow it)"),
+                ("train.kl_convention", t.kl_convention in KL_CONVENTIONS,
+                 f"must be one of {', '.join(KL_CONVENTIONS)}, got {t.kl_convention!r}"),
+                ("train.kl_convention", t.kl_convention == "exact" or s.sde in ("flow_grpo", "cps"),
+                 f"flow_grpo (Flow-GRPO's σ_t) is defined for sampling.sde flow_grpo or cps, not {s.sde!r}: use exact"),
+                ("train.zero_advantage", t.zero_advantage in ZERO_ADVANTAGE,
+                 f"must be one of {', '.join(ZERO_ADVANTAGE)}, got {t.zero_advantage!r}")]
+
+    def trained_weight(self, sub, j: int, adv: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """bool [b]: the minibatch's samples that train step j (trained there, valid reward, and a
+        nonzero advantage under ``train.zero_advantage: drop``). adv, valid: this minibatch's."""
+        weight = sub.trained[:, j] & valid
+        if self.config.train.zero_advantage == "drop":
+            weight = weight & nonzero_advantage(adv).to(weight.device)
+        return weight
 
     @classmethod
     def num_terms(cls, config) -> int:
@@ -105,7 +171,8 @@ class FlowGRPO(BaseObjective):
     def loss(self, batch, idx, j, adv, valid):
         ctx, t, s = self.ctx, self.config.train, self.config.sampling
         sub = batch.traj[idx]
-        weight = sub.trained[:, j] & valid[idx]
+        adv = adv[idx]
+        weight = self.trained_weight(sub, j, adv, valid[idx])
         x, x_next = sub.latents[:, j], sub.latents[:, j + 1]
         args = (ctx.adapter, x, j, sub.schedule, float(sub.noise_levels[j]), sub.cond, s.guidance_scale)
         scale = None if sub.std_scales is None else sub.std_scales[:, j]  # the std each sample was drawn with
@@ -116,9 +183,12 @@ class FlowGRPO(BaseObjective):
             with torch.no_grad(), ctx.adapter.reference():
                 ref_mean = transition(*args, sde=s.sde, prev_sample=x_next, reduction=s.log_prob_reduction,
                                       model=ctx.reference_model, std_scale=scale).mean
-        adv = adv[idx]
+        std = out.std
+        if t.kl_beta > 0 and t.kl_convention != "exact":
+            std = kl_std(std, float(sub.schedule.sigmas[j]), float(sub.schedule.sigmas[j + 1]),
+                         convention=t.kl_convention, sde=s.sde)
         return flow_grpo_loss(out.log_prob, sub.log_probs[:, j], adv, clip_range=t.clip_range, beta=t.kl_beta,
-                              mean=out.mean, ref_mean=ref_mean, std=out.std, weight=weight,
+                              mean=out.mean, ref_mean=ref_mean, std=std, weight=weight,
                               reduction=s.log_prob_reduction,
                               advantage_weights=ctx.reward_weights if adv.ndim == 2 else None)
 
@@ -131,3 +201,9 @@ class DDPO(FlowGRPO):
 
     name = "ddpo"
     predictions = ("epsilon",)
+
+    @classmethod
+    def validate(cls, config) -> list[tuple[str, bool, str]]:
+        return [rule for rule in super().validate(config) if rule[0] != "train.kl_convention"] + [
+            ("train.kl_convention", config.train.kl_convention == "exact",
+             "must be exact for ddpo (the DDIM step's KL; Flow-GRPO's convention is defined for its flow SDE)")]

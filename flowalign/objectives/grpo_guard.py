@@ -89,7 +89,7 @@ from flowalign.objectives.base import register  # noqa: E402
 from flowalign.objectives.flow_grpo import FlowGRPO  # noqa: E402
 from flowalign.rollout import transition  # noqa: E402
 
-GUARD_SDES = ("flow_grpo", "dance_grpo")
+GUARD_SDES = ("flow_grpo", "dance_grpo", "dance_grpo_euler")
 
 
 @register
@@ -112,6 +112,8 @@ class GRPOGuard(FlowGRPO):
             ("sampling.sde", config.sampling.sde in GUARD_SDES,
              f"must be one of {', '.join(GUARD_SDES)} for grpo_guard (a Gaussian step whose std does not depend on "
              f"the model; cps drops the variance from its log-prob), got {config.sampling.sde!r}"),
+            ("train.kl_convention", config.train.kl_convention == "exact",
+             "must be exact for grpo_guard (its KL divides by the transition std that RatioNorm uses)"),
         ]
 
     def sampling_weights(self):
@@ -123,7 +125,7 @@ class GRPOGuard(FlowGRPO):
         if sub.std_scales is not None:
             raise ValueError("grpo_guard needs one transition std per sample and step; a per-element exploration "
                              "std (EXPLORENET) has none")
-        weight = sub.trained[:, j] & valid[idx]
+        weight = self.trained_weight(sub, j, adv[idx], valid[idx])
         x, x_next = sub.latents[:, j], sub.latents[:, j + 1]
         args = (ctx.adapter, x, j, sub.schedule, float(sub.noise_levels[j]), sub.cond, s.guidance_scale)
         kwargs = dict(sde=s.sde, prev_sample=x_next, reduction=s.log_prob_reduction)

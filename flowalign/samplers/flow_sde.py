@@ -1,5 +1,6 @@
 """Stochastic steps for rectified-flow models with exact per-step log-probabilities: Flow-GRPO's
-SDE, CPS and DanceGRPO's SDE (``FLOW_SDE_STEPS``; all share one signature).
+SDE, CPS and DanceGRPO's SDE with and without its score term (``FLOW_SDE_STEPS``; all share one
+signature).
 
 Notation (``../shared/METHODS.md`` §1): x_σ = (1 − σ)·x0 + σ·ε, the model predicts v ≈ ε − x0,
 one step goes from σ to σ' < σ with dt = σ' − σ. The ODE (Euler) step is x' = x + v·dt. The SDE
@@ -9,7 +10,10 @@ step samples x' ~ N(μ, std²) with
     μ   = x + v·dt + σ_t² / (2σ) · (x + (1 − σ)·v)·dt  (Euler step + score term: keeps the marginals)
     std = σ_t·sqrt(−dt)
 
-CPS (coefficient-preserving) and DanceGRPO are documented at their functions. All arithmetic is
+CPS (coefficient-preserving) and DanceGRPO are documented at their functions. Every step also
+returns x̂0 = x − σ·v, the clean sample the model predicts (DanceGRPO decodes the last step's x̂0;
+that is the Euler step to σ' = 0 our rollouts end with, so the two decode the same image). All
+steps need σ' > 0 (std or drift is undefined at σ' = 0): the last step is an ``ode_step``. All arithmetic is
 float32 whatever the model's dtype. The log-density is reduced over every
 non-batch element by ``"mean"`` (what Flow-GRPO and DanceGRPO do; clip ranges are then ~1e-4)
 or ``"sum"`` (the true log-density of the whole latent).
@@ -28,12 +32,14 @@ LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 @dataclass
 class StepOutput:
     """One transition x → x'. Tensors: prev_sample, mean [B, ...]; std [B, 1, ...] (broadcastable);
-    log_prob [B] (reduced as asked)."""
+    log_prob [B] (reduced as asked); pred_x0 [B, ...] the model's clean-sample prediction x̂0 at x
+    (None where a step does not form one)."""
 
     prev_sample: torch.Tensor
     mean: torch.Tensor
     std: torch.Tensor
     log_prob: torch.Tensor
+    pred_x0: torch.Tensor | None = None
 
 
 def _per_sample(value: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
@@ -68,22 +74,27 @@ def ode_step(v: torch.Tensor, x: torch.Tensor, sigma, sigma_next) -> torch.Tenso
     return x32 + dt * v.float()
 
 
-def _step_inputs(v, x, sigma, sigma_next, eta):
-    """float32 x, v [B, ...]; σ, σ' as [B, 1, ...]; η as [B, 1, ...] or, per element, x's shape."""
+def _step_inputs(v, x, sigma, sigma_next, eta, step: str):
+    """float32 x, v [B, ...]; σ, σ' as [B, 1, ...]; η as [B, 1, ...] or, per element, x's shape.
+    ValueError naming ``step`` when some σ' ≤ 0: the stochastic steps have no density there."""
     x32, v32 = x.float(), v.float()
     eta = torch.as_tensor(eta, dtype=torch.float32, device=x.device)
     eta = eta if eta.shape == x.shape else _per_sample(eta, x32)
-    return x32, v32, _per_sample(sigma, x32), _per_sample(sigma_next, x32), eta
+    s_next = _per_sample(sigma_next, x32)
+    if bool((s_next <= 0).any()):
+        raise ValueError(f"the {step} step needs σ' > 0 (got σ' = {s_next.flatten().tolist()}): at σ' = 0 its "
+                         "std or drift is undefined; the last step of a rollout is the deterministic ode_step")
+    return x32, v32, _per_sample(sigma, x32), s_next, eta
 
 
-def _gaussian_step(mean, std, noise, prev_sample, reduction: str, std_scale) -> StepOutput:
+def _gaussian_step(mean, std, noise, prev_sample, reduction: str, std_scale, pred_x0) -> StepOutput:
     """Sample x' = μ + std·noise (or take ``prev_sample``) and its log-density. ``std_scale``: a
     learned per-element exploration multiplier of the std (EXPLORENET); the mean is unchanged."""
     if std_scale is not None:
         std = std * std_scale.float()
     if prev_sample is None:
         prev_sample = mean + std * noise.float()
-    return StepOutput(prev_sample.float(), mean, std, gaussian_log_prob(prev_sample, mean, std, reduction))
+    return StepOutput(prev_sample.float(), mean, std, gaussian_log_prob(prev_sample, mean, std, reduction), pred_x0)
 
 
 def _check_one_of(noise, prev_sample) -> None:
@@ -114,7 +125,7 @@ def flow_grpo_sde_step(
     the mean as it is (EXPLORENET). Requires σ' > 0 and η > 0: the last step is an ``ode_step``.
     """
     _check_one_of(noise, prev_sample)
-    x32, v32, s, s_next, eta = _step_inputs(v, x, sigma, sigma_next, eta)
+    x32, v32, s, s_next, eta = _step_inputs(v, x, sigma, sigma_next, eta, "flow_grpo")
     denom_sigma = torch.where(s >= 1, torch.full_like(s, sigma_fallback if sigma_fallback is not None else 0.0), s)
     if sigma_fallback is None and bool((s >= 1).any()):
         raise ValueError("σ = 1 needs sigma_fallback (the schedule's next σ) to keep 1 − σ > 0")
@@ -122,7 +133,7 @@ def flow_grpo_sde_step(
     sigma_t = eta * torch.sqrt(s / (1 - denom_sigma))
     mean = x32 + v32 * dt + sigma_t**2 / (2 * s) * (x32 + (1 - s) * v32) * dt
     std = sigma_t * torch.sqrt(-dt)
-    return _gaussian_step(mean, std, noise, prev_sample, reduction, std_scale)
+    return _gaussian_step(mean, std, noise, prev_sample, reduction, std_scale, x32 - s * v32)
 
 
 def cps_step(
@@ -148,11 +159,11 @@ def cps_step(
     are not ours). Requires σ' > 0 and η > 0: the last step is an ``ode_step``.
     """
     _check_one_of(noise, prev_sample)
-    x32, v32, s, s_next, eta = _step_inputs(v, x, sigma, sigma_next, eta)
+    x32, v32, s, s_next, eta = _step_inputs(v, x, sigma, sigma_next, eta, "cps")
     std = s_next * torch.sin(eta * math.pi / 2)
     x0_hat, eps_hat = x32 - s * v32, x32 + (1 - s) * v32
     mean = (1 - s_next) * x0_hat + torch.sqrt((s_next**2 - std**2).clamp(min=0)) * eps_hat
-    return _gaussian_step(mean, std, noise, prev_sample, reduction, std_scale)
+    return _gaussian_step(mean, std, noise, prev_sample, reduction, std_scale, x0_hat)
 
 
 def dance_grpo_sde_step(
@@ -167,20 +178,33 @@ def dance_grpo_sde_step(
     sigma_fallback: float | None = None,
     reduction: str = "mean",
     std_scale: torch.Tensor | None = None,
+    score_term: bool = True,
 ) -> StepOutput:
-    """DanceGRPO's SDE: a constant diffusion coefficient η, std = η·sqrt(σ − σ'), and
-    μ = x + v·dt − ½·η²·score·dt with score = −(x − (1 − σ)·x̂0) / σ² = −ε̂ / σ (η ≈ 0.3).
+    """DanceGRPO's SDE (``flux_step`` in its train_grpo_*.py): a constant diffusion coefficient η,
+    std = η·sqrt(σ − σ'), and μ = x + v·dt − ½·η²·score·dt with score = −(x − (1 − σ)·x̂0) / σ²
+    = −ε̂ / σ (η ≈ 0.3).
 
     Same arguments as ``flow_grpo_sde_step``; it equals that step with σ_t ≡ η, i.e. the same
-    drift correction under a flat noise schedule (``sigma_fallback`` is unused).
+    drift correction under a flat noise schedule (``sigma_fallback`` is unused). ``score_term``
+    False is its ``sde_solver=False``: μ = x + v·dt, the Euler mean with noise added (the sample
+    marginals then drift from the ODE's; ``sampling.sde: dance_grpo_euler``).
     """
     _check_one_of(noise, prev_sample)
-    x32, v32, s, s_next, eta = _step_inputs(v, x, sigma, sigma_next, eta)
+    x32, v32, s, s_next, eta = _step_inputs(v, x, sigma, sigma_next, eta, "dance_grpo")
     dt = s_next - s
-    score = -(x32 - (1 - s) * (x32 - s * v32)) / s**2
-    mean = x32 + v32 * dt - 0.5 * eta**2 * score * dt
+    x0_hat = x32 - s * v32
+    mean = x32 + v32 * dt
+    if score_term:
+        score = -(x32 - (1 - s) * x0_hat) / s**2
+        mean = mean - 0.5 * eta**2 * score * dt
     std = eta * torch.sqrt(-dt)
-    return _gaussian_step(mean, std, noise, prev_sample, reduction, std_scale)
+    return _gaussian_step(mean, std, noise, prev_sample, reduction, std_scale, x0_hat)
 
 
-FLOW_SDE_STEPS = {"flow_grpo": flow_grpo_sde_step, "cps": cps_step, "dance_grpo": dance_grpo_sde_step}
+def dance_grpo_euler_step(v, x, sigma, sigma_next, eta, **kwargs) -> StepOutput:
+    """DanceGRPO's step with ``sde_solver=False``: x' ~ N(x + v·dt, η²·(σ − σ')), no score term."""
+    return dance_grpo_sde_step(v, x, sigma, sigma_next, eta, score_term=False, **kwargs)
+
+
+FLOW_SDE_STEPS = {"flow_grpo": flow_grpo_sde_step, "cps": cps_step, "dance_grpo": dance_grpo_sde_step,
+                  "dance_grpo_euler": dance_grpo_euler_step}
