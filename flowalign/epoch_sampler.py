@@ -21,7 +21,7 @@ from flowalign.advantages import combine_rewards
 from flowalign.config import RunConfig
 from flowalign.rollout import Trajectory, group_noise, rollout
 from flowalign.samplers.steps import StepPlan, plan_steps, sliding_window_start
-from pipelines.base import encode_records
+from pipelines.base import decode_samples, encode_records
 from pipelines.unmasking import MaskedTrajectory
 
 ROLLOUTS = ("sde", "ode", "unmasking", "offline")
@@ -131,7 +131,7 @@ class EpochSampler:
                     sl = slice(lo, lo + t.sample_batch_size)
                     part = roll(cond, noise, sl, streams)
                     parts.append(part)
-                    decoded = self.adapter.decode(part.samples)
+                    decoded = decode_samples(self.adapter, part.samples, part.cond)
                     scored.append(pool.submit(reward_chunk, self.reward, decoded, shard_specs[sl]) if t.async_reward
                                   else _done(reward_chunk(self.reward, decoded, shard_specs[sl])))
                 specs += shard_specs

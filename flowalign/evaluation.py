@@ -155,8 +155,14 @@ def sample_pairs(adapter, pairs: list[tuple[str | dict, int]], steps: int, guida
 
 
 def _decoded(adapter, prompts: list[str | dict], noise: torch.Tensor, steps: int, guidance: float, batch_size: int):
-    out = [adapter.decode(ode_samples(adapter, adapter.encode, prompts[lo:lo + batch_size],
-                                      noise[lo:lo + batch_size], steps, guidance, batch_size))
+    from pipelines.base import decode_samples, encode_records
+
+    def records(sub):
+        return [p if isinstance(p, dict) else {"prompt": p} for p in sub]
+
+    out = [decode_samples(adapter, ode_samples(adapter, adapter.encode, prompts[lo:lo + batch_size],
+                                               noise[lo:lo + batch_size], steps, guidance, batch_size),
+                          lambda lo=lo: encode_records(adapter.encode, records(prompts[lo:lo + batch_size])))
            for lo in range(0, len(prompts), batch_size)]
     # decoded samples that are not one tensor (pipelines.joint.AudioVideoSamples) concatenate themselves
     return torch.cat(out) if isinstance(out[0], torch.Tensor) else type(out[0]).cat(out)

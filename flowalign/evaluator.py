@@ -18,7 +18,7 @@ from flowalign.evaluation import EVAL_SEED, held_out_noise, ode_samples, paired_
 from flowalign.grids import as_image_cells, load_grids, save_grid, side_by_side, to_pil_grid, with_inputs
 from flowalign.logs import get_logger
 from flowalign.outputs import log_grid
-from pipelines.base import encode_records
+from pipelines.base import decode_samples, encode_records
 
 log = get_logger("evaluator")
 
@@ -121,8 +121,11 @@ class Evaluator:
 
     @torch.no_grad()
     def _score(self, latents: torch.Tensor, specs: list[dict], reward, chunk: int = 64) -> dict[str, torch.Tensor]:
-        return cat_components([reward_chunk(reward, self.adapter.decode(latents[lo:lo + chunk]), specs[lo:lo + chunk])
-                               for lo in range(0, len(specs), chunk)])
+        return cat_components([reward_chunk(reward, self._decode(latents[lo:lo + chunk], specs[lo:lo + chunk]),
+                                            specs[lo:lo + chunk]) for lo in range(0, len(specs), chunk)])
+
+    def _decode(self, latents: torch.Tensor, specs: list[dict]):
+        return decode_samples(self.adapter, latents, lambda: encode_records(self.encode, specs))
 
     def _paired_samples(self, label: str, components: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Writes this evaluation's per-sample rewards to ``eval_samples/<label>.pt`` and returns the
@@ -145,7 +148,7 @@ class Evaluator:
         n_prompts, n_seeds = min(e.grid_prompts, len(self.eval_specs)), min(e.grid_seeds, e.seeds)
         rows = [round(i * (len(self.eval_specs) - 1) / max(n_prompts - 1, 1)) for i in range(n_prompts)]
         idx = [r * e.seeds + c for r in rows for c in range(n_seeds)]
-        images = as_image_cells(self.adapter.decode(latents[idx]))  # boards (FEN strings) are drawn
+        images = as_image_cells(self._decode(latents[idx], [specs[i] for i in idx]))  # boards (FEN strings) are drawn
         if self.eval_specs[rows[0]].get("image"):  # an image-conditioned task: its input in the first column
             images = with_inputs(images, [self.eval_specs[r]["image"] for r in rows], n_seeds)
             n_seeds += 1

@@ -23,6 +23,7 @@ FAMILIES["z_image"] = "pipelines.z_image:ZImageAdapter"  # Z-Image and Z-Image-T
 FAMILIES["flux_kontext"] = "pipelines.flux_kontext:FluxKontextAdapter"  # image-conditioned (editing)
 FAMILIES["qwen_image_edit"] = "pipelines.qwen_image_edit:QwenImageEditAdapter"  # image-conditioned (editing)
 FAMILIES["wan_i2v"] = "pipelines.wan_i2v:WanImageToVideoAdapter"  # image-conditioned (image-to-video)
+FAMILIES["ltx2_i2av"] = "pipelines.ltx2_i2av:LTX2ImageToAudioVideoAdapter"  # image-to-audio-video
 
 # constructor arguments that have their own setting (model.height, ...) or that the loader sets
 LOADER_ARGUMENTS = ("self", "pipe", "device", "height", "width", "num_frames")

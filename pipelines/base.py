@@ -94,6 +94,20 @@ def encode_records(encode, records: list[dict]) -> Conditioning:
     return encode(prompts, images=images)
 
 
+def decode_samples(adapter, x0: torch.Tensor, cond=None):
+    """``adapter.decode(x0)``; for a family whose samples leave out a part its conditioning fixes
+    (``decodes_with_condition``: image-to-video / image-to-audio-video families whose first latent
+    frame is the input image, kept out of x so that the sampler and the objectives see only what is
+    generated) ``adapter.decode(x0, cond)``. ``cond``: the samples' ``Conditioning``, or a function
+    returning it (called only for such a family, e.g. ``encode_records`` of the samples' records)."""
+    if not getattr(adapter, "decodes_with_condition", False):
+        return adapter.decode(x0)
+    if cond is None:
+        raise ValueError(f"model family {getattr(adapter, 'family', '?')!r} decodes its samples with their "
+                         "conditioning (the input image's latent frame), and none was given")
+    return adapter.decode(x0, cond() if callable(cond) else cond)
+
+
 class Adapter(Protocol):
     """One model family, as the training loop uses it (``flowalign/trainer.py`` and the
     components it calls). ``prediction`` is "velocity" (flow matching), "epsilon" or "logits".

@@ -68,6 +68,7 @@ class LTX2Adapter(DenoiserAdapter):
     pipeline_class = LTX2Pipeline
     model_folder = "transformer"
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")  # every attention, the cross-modal ones included
+    conditioning_frames = 0  # leading latent frames the conditioning fixes (image-to-audio-video: 1), not in x
 
     def __init__(self, pipe: LTX2Pipeline, *, device: str | torch.device = "cpu", num_frames: int = 121,
                  frame_rate: float = 24.0, max_sequence_length: int = 1024, negative_prompt: str = "",
@@ -106,8 +107,14 @@ class LTX2Adapter(DenoiserAdapter):
         per_second = pipe.audio_sampling_rate / pipe.audio_hop_length / float(pipe.audio_vae_temporal_compression_ratio)
         self.audio_frames = round(num_frames / frame_rate * per_second)  # the pipeline's audio_num_frames
         self.audio_mel_bins = audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
+        if self.latent_frames <= self.conditioning_frames:
+            raise ValueError(f"num_frames {num_frames} makes {self.latent_frames} latent frame(s): nothing to generate "
+                             f"after the {self.conditioning_frames} conditioning one; use at least "
+                             f"{temporal * self.conditioning_frames + 1} frames")
+        self.condition_tokens = self.conditioning_frames * self.latent_height * self.latent_width
         self.joint_layout = JointLayout(
-            video_tokens=self.latent_frames * self.latent_height * self.latent_width, video_channels=config.in_channels,
+            video_tokens=self.latent_frames * self.latent_height * self.latent_width - self.condition_tokens,
+            video_channels=config.in_channels,
             audio_tokens=self.audio_frames, audio_channels=audio_vae.config.latent_channels * self.audio_mel_bins)
         if self.joint_layout.audio_channels != config.audio_in_channels:
             raise ValueError(f"the audio VAE's latent ({audio_vae.config.latent_channels} channels × "
@@ -161,12 +168,15 @@ class LTX2Adapter(DenoiserAdapter):
                              self.latent_width), generator=generator, device=device, dtype=torch.float32)
         audio = torch.randn((batch, pipe.audio_vae.config.latent_channels, self.audio_frames, self.audio_mel_bins),
                             generator=generator, device=device, dtype=torch.float32)
+        video = video[:, :, self.conditioning_frames:]  # the conditioning frame's draw is the pipeline's, unused
         return self.joint_layout.pack(pipe._pack_latents(video), pipe._pack_audio_latents(audio)).to(self.device)
 
     def schedule(self, num_steps: int) -> Schedule:
-        """What ``LTX2Pipeline`` sets: σ's linspace(1, 1/S, S) shifted with mu = calculate_shift(N_v)."""
+        """What ``LTX2Pipeline`` sets: σ's linspace(1, 1/S, S) shifted with mu = calculate_shift(every video
+        token, the conditioning frame's included)."""
         config = self.scheduler.config
-        mu = calculate_shift(self.joint_layout.video_tokens, config.get("base_image_seq_len", 1024),
+        video_tokens = self.latent_frames * self.latent_height * self.latent_width
+        mu = calculate_shift(video_tokens, config.get("base_image_seq_len", 1024),
                              config.get("max_image_seq_len", 4096), config.get("base_shift", 0.95),
                              config.get("max_shift", 2.05))
         return self.flow_schedule(num_steps, sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
@@ -182,27 +192,41 @@ class LTX2Adapter(DenoiserAdapter):
         t_in = self.batch_timesteps(t, x_in.shape[0])
         video, audio = self._forward(model, x_in, t_in, tensors, isolate=False)
         if not cfg and self.modality_scale <= 1.0 and self.audio_modality_scale <= 1.0:
-            return self.joint_layout.pack(video, audio)
+            return self.joint_layout.pack(video[:, self.condition_tokens:], audio)
         isolated = None
         if self.modality_scale > 1.0 or self.audio_modality_scale > 1.0:
             positive = {k: v.chunk(2)[1] for k, v in tensors.items()} if cfg else tensors
             isolated = self._forward(model, x, t_in[-len(x):], positive, isolate=True)
         sigma = t_in[-len(x):].float().view(-1, 1, 1) / self.scheduler.config.num_train_timesteps
         x_video, x_audio = self.joint_layout.unpack(x.float())
+        x_video = self.video_tokens(x_video, cond.tensors)
         video = self._guided(x_video, video, sigma, cfg, guidance_scale, self.modality_scale, self.guidance_rescale,
                              None if isolated is None else isolated[0])
         audio = self._guided(x_audio, audio, sigma, cfg, audio_scale, self.audio_modality_scale,
                              self.audio_guidance_rescale, None if isolated is None else isolated[1])
-        return self.joint_layout.pack(video, audio)
+        return self.joint_layout.pack(video[:, self.condition_tokens:], audio)
+
+    def video_tokens(self, video: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The generated video tokens [N, N_v, C] of x → every video token the transformer reads
+        [N, N_v + condition_tokens, C] (here the same; image-to-audio-video prepends the input's)."""
+        return video
+
+    def video_timesteps(self, t: torch.Tensor) -> torch.Tensor:
+        """t [N] → the video timestep the transformer takes: [N] (one per sample); image-to-audio-video:
+        [N, tokens] with 0 on the conditioning tokens, as its pipeline gives it."""
+        return t
 
     def _forward(self, model, x, t, tensors, isolate: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """One transformer pass: joint latent [N, D] → float velocities (video [N, N_v, C_v], audio [N, N_a, C_a])."""
+        """One transformer pass: joint latent [N, D] → float velocities (video [N, condition_tokens + N_v,
+        C_v]: every video token, the conditioning ones first; audio [N, N_a, C_a])."""
         dtype = self.model.dtype
         video, audio = self.joint_layout.unpack(x)
+        video = self.video_tokens(video, tensors)
         v_video, v_audio = model(
             hidden_states=video.to(dtype), audio_hidden_states=audio.to(dtype),
             encoder_hidden_states=tensors["video_embeds"].to(dtype),
-            audio_encoder_hidden_states=tensors["audio_embeds"].to(dtype), timestep=t, sigma=t,
+            audio_encoder_hidden_states=tensors["audio_embeds"].to(dtype), timestep=self.video_timesteps(t),
+            audio_timestep=t, sigma=t,
             encoder_attention_mask=tensors["mask"], audio_encoder_attention_mask=tensors["mask"],
             num_frames=self.latent_frames, height=self.latent_height, width=self.latent_width, fps=self.frame_rate,
             audio_num_frames=self.audio_frames, isolate_modalities=isolate,
@@ -226,11 +250,13 @@ class LTX2Adapter(DenoiserAdapter):
 
     # -- decoding ------------------------------------------------------------------------
     @torch.no_grad()
-    def decode(self, x0: torch.Tensor) -> AudioVideoSamples:
+    def decode(self, x0: torch.Tensor, cond: Conditioning | None = None) -> AudioVideoSamples:
         """Joint latents [B, D] → ``AudioVideoSamples``: frames [B, num_frames, 3, H, W] in [0, 1] and
-        waveforms [B, channels, T] at the vocoder's sample rate (the pipeline's "pt" outputs)."""
+        waveforms [B, channels, T] at the vocoder's sample rate (the pipeline's "pt" outputs). ``cond``:
+        the samples' conditioning, read by image-to-audio-video for its input frame."""
         pipe, vae, audio_vae = self.pipe, self.pipe.vae, self.pipe.audio_vae
         video, audio = self.joint_layout.unpack(x0.float())
+        video = self.video_tokens(video, {} if cond is None else cond.tensors)
         video = pipe._unpack_latents(video, self.latent_frames, self.latent_height, self.latent_width)
         video = pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         # a timestep-conditioned decoder gets the pipeline's default decode_timestep 0 (and no decode noise)
