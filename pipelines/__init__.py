@@ -116,7 +116,8 @@ def check_folder_family(family: str, path: str) -> None:
     """Raise ``ValueError`` when ``path`` is a local folder of another family's pipeline (it would
     otherwise fail deep inside diffusers with a missing-component error)."""
     found = folder_family(path)
-    if found is not None and found != family:
+    also = getattr(adapter_class(family), "also_loads", ())  # another family's folder this one loads (TI2V-5B)
+    if found is not None and found != family and adapter_class(found).pipeline_class.__name__ not in also:
         pipeline = adapter_class(found).pipeline_class.__name__
         raise ValueError(f"model {path!r} is a {pipeline} (model family {found!r}), not a {family!r} model: "
                          f"set model.family={found} (flowalign sample/grid/eval: --family {found})")
