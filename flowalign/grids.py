@@ -231,18 +231,22 @@ def as_image_cells(samples, frames: int = 4) -> torch.Tensor:
                      "videos [B, T, 3, H, W] or waveforms [B, N]")
 
 
-def with_inputs(cells: torch.Tensor, inputs: list[str], per_row: int) -> torch.Tensor:
+def with_inputs(cells: torch.Tensor, inputs: list, per_row: int) -> torch.Tensor:
     """Image cells [R·per_row, 3, H, W] (row-major) → [R·(per_row + 1), 3, H, W] with each row's
-    conditioning image (a path; image-conditioned tasks) first, scaled to fit the cell (a video's
-    contact sheet is wider than its frames) on white."""
+    conditioning image (a path; image-conditioned tasks; a list of paths: side by side) first,
+    scaled to fit the cell (a video's contact sheet is wider than its frames) on white."""
     h, w = cells.shape[-2:]
     rows = []
-    for r, path in enumerate(inputs):
-        picture = Image.open(path).convert("RGB")
-        scale = min(h / picture.height, w / picture.width)
-        picture = picture.resize((max(1, round(picture.width * scale)), max(1, round(picture.height * scale))))
+    for r, paths in enumerate(inputs):
+        paths = paths if isinstance(paths, (list, tuple)) else [paths]
+        pictures = [Image.open(path).convert("RGB") for path in paths]
+        strip = Image.new("RGB", (sum(p.width for p in pictures), max(p.height for p in pictures)), "white")
+        for k, picture in enumerate(pictures):
+            strip.paste(picture, (sum(p.width for p in pictures[:k]), 0))
+        scale = min(h / strip.height, w / strip.width)
+        strip = strip.resize((max(1, round(strip.width * scale)), max(1, round(strip.height * scale))))
         image = torch.ones(3, h, w)
-        image[:, :picture.height, :picture.width] = torch.from_numpy(np.array(picture)).permute(2, 0, 1).float() / 255
+        image[:, :strip.height, :strip.width] = torch.from_numpy(np.array(strip)).permute(2, 0, 1).float() / 255
         rows += [image[None], cells[r * per_row:(r + 1) * per_row]]
     return torch.cat(rows)
 

@@ -1,8 +1,9 @@
 """Prompt sources: the built-in shapes world or a prompt file. A prompt is a dict with at least
 ``"prompt"``; GenEval-style records also carry ``"tag"`` and ``"include"`` for verifiers; an
 image-conditioned task's records carry ``"image"``, the conditioning image's path (relative paths
-are resolved against the prompt file's folder), which the adapter encodes with the prompt and the
-rewards receive in their metadata."""
+are resolved against the prompt file's folder; several, for Qwen-Image-Edit-Plus: a list, or in a
+CSV paths separated by "|"), which the adapter encodes with the prompt and the rewards receive in
+their metadata."""
 
 from __future__ import annotations
 
@@ -72,10 +73,18 @@ def load_prompts(source: str | list) -> list[dict]:
 
 
 def _resolve_image(record: dict, prompt_file: Path) -> dict:
-    """A record's "image" as an absolute path (relative to the prompt file's folder); it must exist."""
+    """A record's "image" as an absolute path (relative to the prompt file's folder); it must exist.
+    Several input images (Qwen-Image-Edit-Plus): a list of paths (jsonl) or paths separated by "|"
+    (CSV), resolved to a list."""
     if not record.get("image"):
         return record
-    image = (prompt_file.parent / Path(record["image"]).expanduser()).resolve()
-    if not image.is_file():
-        raise FileNotFoundError(f"{prompt_file}: conditioning image of {record['prompt']!r} not found: tried {image}")
-    return {**record, "image": str(image)}
+    given = record["image"]
+    several = isinstance(given, list) or "|" in given
+    paths = given if isinstance(given, list) else given.split("|")
+    resolved = []
+    for path in paths:
+        image = (prompt_file.parent / Path(str(path).strip()).expanduser()).resolve()
+        if not image.is_file():
+            raise FileNotFoundError(f"{prompt_file}: conditioning image of {record['prompt']!r} not found: tried {image}")
+        resolved.append(str(image))
+    return {**record, "image": resolved if several else resolved[0]}

@@ -22,6 +22,7 @@ FAMILIES["flux2"] = "pipelines.flux2:Flux2KleinAdapter"  # FLUX.2 klein (base an
 FAMILIES["z_image"] = "pipelines.z_image:ZImageAdapter"  # Z-Image and Z-Image-Turbo
 FAMILIES["flux_kontext"] = "pipelines.flux_kontext:FluxKontextAdapter"  # image-conditioned (editing)
 FAMILIES["qwen_image_edit"] = "pipelines.qwen_image_edit:QwenImageEditAdapter"  # image-conditioned (editing)
+FAMILIES["qwen_image_edit_plus"] = "pipelines.qwen_image_edit_plus:QwenImageEditPlusAdapter"  # several input images
 FAMILIES["wan_i2v"] = "pipelines.wan_i2v:WanImageToVideoAdapter"  # image-conditioned (image-to-video)
 FAMILIES["ltx2_i2av"] = "pipelines.ltx2_i2av:LTX2ImageToAudioVideoAdapter"  # image-to-audio-video
 

@@ -65,13 +65,19 @@ class Schedule:
         return len(self.timesteps)
 
 
+def load_image(image):
+    """A conditioning image (a path, or a PIL image) as an RGB PIL image."""
+    from PIL import Image
+
+    return (Image.open(image) if isinstance(image, (str, Path)) else image).convert("RGB")
+
+
 def load_condition_image(image, height: int, width: int):
     """A conditioning image (a path, or a PIL image) as an RGB PIL image of height × width (resized
     when its size differs, bicubic): what an image-conditioned adapter encodes."""
     from PIL import Image
 
-    image = Image.open(image) if isinstance(image, (str, Path)) else image
-    image = image.convert("RGB")
+    image = load_image(image)
     return image if image.size == (width, height) else image.resize((width, height), Image.BICUBIC)
 
 
@@ -307,7 +313,9 @@ class PromptEmbeddingCache:
     def __call__(self, prompts: list[str], images: list | None = None) -> Conditioning:
         """``images``: the conditioning images (paths) of an image-conditioned adapter; an entry is
         then one (prompt, image) pair."""
-        keys = list(prompts) if images is None else list(zip(prompts, images))
+        # several input images per prompt (a list) key the cache as a tuple
+        keys = list(prompts) if images is None else [(p, tuple(i) if isinstance(i, list) else i)
+                                                    for p, i in zip(prompts, images)]
         new = list(dict.fromkeys(k for k in keys if k not in self.entries))
         fresh = {}
         if new:

@@ -105,7 +105,7 @@ class QwenImageAdapter(DenoiserAdapter):
 
     def _forward(self, model: nn.Module, packed: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor,
                  mask: torch.Tensor, tensors: dict[str, torch.Tensor], latent_size: tuple[int, int]) -> torch.Tensor:
-        """One transformer pass on packed latents [B, N, 4C] (with an edit's packed input image after
+        """One transformer pass on packed latents [B, N, 4C] (with an edit's packed input images after
         them, ``tensors["image_latents"]``) → packed velocity [B, N, 4C]."""
         dtype = self.model.dtype
         embeds, mask = trim_tokens(embeds, mask)
@@ -114,7 +114,7 @@ class QwenImageAdapter(DenoiserAdapter):
         tokens = packed.shape[1]
         if "image_latents" in tensors:  # Qwen-Image-Edit
             packed = torch.cat([packed, tensors["image_latents"].to(dtype)], dim=1)
-            shapes.append(self.condition_shape)
+            shapes.extend(self.condition_shapes)  # one token grid per input image
         return model(hidden_states=packed, timestep=t.to(dtype) / 1000, guidance=None, encoder_hidden_states_mask=mask,
                      encoder_hidden_states=embeds.to(dtype), img_shapes=[shapes] * len(packed),
                      return_dict=False)[0][:, :tokens]

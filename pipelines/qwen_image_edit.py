@@ -24,7 +24,7 @@ import torch
 from diffusers import QwenImageEditPipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 
-from pipelines.base import Conditioning
+from pipelines.base import Conditioning, load_image
 from pipelines.denoiser import pad_tokens
 from pipelines.qwen_image import QwenImageAdapter
 
@@ -36,35 +36,54 @@ class QwenImageEditAdapter(QwenImageAdapter):
     pipeline_class = QwenImageEditPipeline
     conditioning_image = True  # prompt records carry "image" (flowalign.prompts), encode(prompts, images=)
     condition_area = 1024 * 1024  # the pipeline's condition size (calculate_dimensions' target area)
+    several_images = False  # Edit-Plus: a list of input images per prompt
 
     @torch.no_grad()
     def encode(self, prompts: list[str], images: list | None = None) -> Conditioning:
-        """prompts: B instructions, images: B paths or PIL images → the conditioning above."""
-        from PIL import Image
-
+        """prompts: B instructions, images: B paths or PIL images (Edit-Plus: each may be a list of
+        them) → the conditioning above."""
         if images is None or len(images) != len(prompts):
-            raise ValueError("Qwen-Image-Edit needs one conditioning image per prompt (prompt records with \"image\")")
+            raise ValueError(f"{self.pipeline_class.__name__} needs conditioning images for each prompt (prompt "
+                             "records with \"image\")")
         parts = []
-        for prompt, image in zip(prompts, images):
-            image = (Image.open(image) if isinstance(image, str) else image).convert("RGB")
-            width, height, _ = calculate_dimensions(self.condition_area, image.size[0] / image.size[1])
-            shape = (1, height // self.pipe.vae_scale_factor // 2, width // self.pipe.vae_scale_factor // 2)
-            if getattr(self, "condition_shape", shape) != shape:
-                raise ValueError(f"conditioning images of one run must share an aspect ratio: {shape} after "
-                                 f"{self.condition_shape}")
-            self.condition_shape = shape
-            picture = self.pipe.image_processor.resize(image, height, width)
+        for prompt, group in zip(prompts, images):
+            group = list(group) if isinstance(group, (list, tuple)) else [group]
+            if len(group) > 1 and not self.several_images:
+                raise ValueError(f"Qwen-Image-Edit takes one input image per prompt, {prompt!r} has {len(group)} "
+                                 "(several: model.family=qwen_image_edit_plus)")
+            prepared = [self._prepare(load_image(image)) for image in group]
+            shapes = [shape for _, _, shape in prepared]
+            if getattr(self, "condition_shapes", shapes) != shapes:
+                raise ValueError(f"the input images of one run must share their number and aspect ratios (one token "
+                                 f"layout): {shapes} after {self.condition_shapes}")
+            self.condition_shapes = shapes
+            prompt_images = [picture for picture, _, _ in prepared]
             tensors = {}
             for key, text in (("", prompt), ("negative_", self.negative_prompt)):
-                embeds, mask = self.pipe.encode_prompt([text], image=picture, device=self.device,
-                                                       max_sequence_length=self.max_sequence_length)
+                embeds, mask = self.pipe.encode_prompt(
+                    [text], image=prompt_images if self.several_images else prompt_images[0], device=self.device,
+                    max_sequence_length=self.max_sequence_length)
                 tensors[f"{key}embeds"], tensors[f"{key}mask"] = pad_tokens(embeds, mask, self.max_sequence_length)
-            pixels = self.pipe.image_processor.preprocess(picture, height, width).unsqueeze(2)
-            latents = self.pipe._encode_vae_image(pixels.to(self.device, self.pipe.vae.dtype), generator=None)
-            n, c, _, h, w = latents.shape
-            tensors["image_latents"] = self.pipe._pack_latents(latents, n, c, h, w)
+            packed = []
+            for _, pixels, _ in prepared:
+                latents = self.pipe._encode_vae_image(pixels.to(self.device, self.pipe.vae.dtype), generator=None)
+                n, c, _, h, w = latents.shape
+                packed.append(self.pipe._pack_latents(latents, n, c, h, w))
+            tensors["image_latents"] = torch.cat(packed, dim=1)  # the images' tokens one after another
             parts.append(Conditioning(tensors))
         return Conditioning.cat(parts)
+
+    def _prepare(self, image):
+        """One input image (RGB PIL) → (what the text encoder sees, the VAE's pixels [1, 3, 1, H', W'],
+        its token grid (1, H'/16, W'/16)): both at the condition size (``calculate_dimensions``)."""
+        width, height, _ = calculate_dimensions(self.condition_area, image.size[0] / image.size[1])
+        picture = self.pipe.image_processor.resize(image, height, width)
+        pixels = self.pipe.image_processor.preprocess(picture, height, width).unsqueeze(2)
+        return picture, pixels, self._grid(height, width)
+
+    def _grid(self, height: int, width: int) -> tuple[int, int, int]:
+        f = self.pipe.vae_scale_factor
+        return (1, height // f // 2, width // f // 2)
 
     def negative(self) -> Conditioning:
         raise RuntimeError("Qwen-Image-Edit's negative branch depends on the input image: it is in each sample's "

@@ -321,11 +321,12 @@ def build_tiny_wan_i2v_pipeline(words: list[str], layout: str = "wan21", seed: i
 
 
 def build_tiny_qwen_image_edit_pipeline(words: list[str], sizes: TinyQwenImageSizes = TinyQwenImageSizes(),
-                                        seed: int = 0):
-    """A randomly initialised ``QwenImageEditPipeline`` for instructions made of ``words``: Qwen-Image's
-    parts, and a ``Qwen2VLProcessor`` whose image processor feeds the text encoder's vision tower at
-    most 56 × 56 pixels (4 image tokens; the real one allows far more)."""
-    from diffusers import QwenImageEditPipeline
+                                        seed: int = 0, plus: bool = False):
+    """A randomly initialised ``QwenImageEditPipeline`` (``plus``: ``QwenImageEditPlusPipeline``, several
+    input images) for instructions made of ``words``: Qwen-Image's parts, and a ``Qwen2VLProcessor``
+    whose image processor feeds the text encoder's vision tower at most 56 × 56 pixels per image (4
+    image tokens; the real one allows far more)."""
+    from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
     base = build_tiny_qwen_image_pipeline(words, sizes, seed)
@@ -333,4 +334,4 @@ def build_tiny_qwen_image_edit_pipeline(words: list[str], sizes: TinyQwenImageSi
     processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=base.tokenizer,
                                  video_processor=Qwen2VLVideoProcessor(**pixels),
                                  chat_template=base.tokenizer.chat_template)
-    return QwenImageEditPipeline(processor=processor, **base.components)
+    return (QwenImageEditPlusPipeline if plus else QwenImageEditPipeline)(processor=processor, **base.components)

@@ -5,7 +5,8 @@ per frame) every prompt record carries its conditioning image ("image", a path; 
 passes the records as ``metadata``). With unit CLIP embeddings of the output o, the input i and
 the instruction text p:
 
-    input_similarity = cos(o, i)          (the image–image similarity: the edit keeps the scene)
+    input_similarity = cos(o, i)          (the image–image similarity: the edit keeps the scene; several
+                                           inputs, Qwen-Image-Edit-Plus: the mean over them)
     text_alignment   = cos(o, p)          (CLIP score: the output matches the instruction)
     edit_fidelity    = w · input_similarity + (1 − w) · text_alignment,  w = ``input_weight``
 
@@ -63,12 +64,17 @@ class EditFidelity(Reward):
         words = normalize(projected(self.model.get_text_features(input_ids=text["input_ids"],
                                                                  attention_mask=text["attention_mask"])))
         alignment = (output * words).sum(-1).float().cpu()
-        has = [bool(m.get("image")) for m in metadata]
+        # each sample's inputs (several for Qwen-Image-Edit-Plus: the mean of the similarities to each)
+        paths = [m.get("image") or [] for m in metadata]
+        paths = [p if isinstance(p, (list, tuple)) else [p] for p in paths]
         similarity = torch.full((len(prompts),), float("nan"))
-        if any(has):
-            inputs = self.image_embeddings([Image.open(m["image"]).convert("RGB") for m, h in zip(metadata, has) if h])
-            rows = torch.tensor(has)
-            similarity[rows] = (output[rows.to(output.device)] * inputs).sum(-1).float().cpu()
+        owners = torch.tensor([row for row, group in enumerate(paths) for _ in group], dtype=torch.long)
+        if len(owners):
+            inputs = self.image_embeddings([Image.open(p).convert("RGB") for group in paths for p in group])
+            cosines = (output[owners.to(output.device)] * inputs).sum(-1).float().cpu()
+            counts = torch.bincount(owners, minlength=len(prompts))
+            sums = torch.zeros(len(prompts)).index_add_(0, owners, cosines)
+            similarity = torch.where(counts > 0, sums / counts.clamp(min=1), similarity)
         w = self.input_weight
         return {"edit_fidelity": w * similarity + (1 - w) * alignment, "input_similarity": similarity,
                 "text_alignment": alignment}

@@ -89,6 +89,16 @@ def test_prompt_records_carry_resolved_conditioning_images(world, tmp_path):
     (tmp_path / "missing.jsonl").write_text(json.dumps({"prompt": "x", "image": "nowhere.png"}) + "\n")
     with pytest.raises(FileNotFoundError, match="nowhere.png"):
         load_prompts(str(tmp_path / "missing.jsonl"))
+    # several input images (Qwen-Image-Edit-Plus): a jsonl list or "|" in a CSV, each path resolved
+    scenes = [str(world / "inputs" / f"scene{i}.png") for i in range(2)]
+    (world / "several.jsonl").write_text(json.dumps({"prompt": EDITS[0], "image": ["inputs/scene1.png",
+                                                                                   "inputs/scene0.png"]}) + "\n")
+    assert load_prompts(str(world / "several.jsonl")) == [{"prompt": EDITS[0], "image": scenes[::-1]}]
+    (tmp_path / "several.csv").write_text(f"prompt,image\n{EDITS[0]},{scenes[0]} | {scenes[1]}\n")
+    assert load_prompts(str(tmp_path / "several.csv")) == [{"prompt": EDITS[0], "image": scenes}]
+    (tmp_path / "one-missing.csv").write_text(f"prompt,image\nx,{scenes[0]}|nowhere.png\n")
+    with pytest.raises(FileNotFoundError, match="nowhere.png"):
+        load_prompts(str(tmp_path / "one-missing.csv"))
 
 
 def test_eta_zero_rollout_reproduces_the_pipeline_with_the_same_image(world):
@@ -137,8 +147,9 @@ class _SeesTheInput(Reward):
     def __call__(self, samples, prompts, metadata):
         SEEN.append([m.get("image") for m in metadata])
         h, w = samples.shape[-2:]
-        inputs = torch.stack([torch.from_numpy(np.array(load_condition_image(m["image"], h, w)))
-                              for m in metadata]).permute(0, 3, 1, 2).float() / 255
+        first = [m["image"][0] if isinstance(m["image"], list) else m["image"] for m in metadata]  # Edit-Plus: several
+        inputs = torch.stack([torch.from_numpy(np.array(load_condition_image(image, h, w)))
+                              for image in first]).permute(0, 3, 1, 2).float() / 255
         return {"closeness": -(samples - inputs).abs().mean(dim=(1, 2, 3))}
 
 
@@ -202,6 +213,10 @@ def test_edit_fidelity_blends_input_similarity_and_text_alignment(world, clip_di
                                .permute(2, 0, 1).float() / 255 for r in records]), EDITS, records)
     assert (same["input_similarity"] > 0.999).all()  # the input itself is perfectly similar
     assert torch.isnan(reward(samples, EDITS, [{}, records[1]])["edit_fidelity"][0])  # no input: dropped
+    # several inputs (Edit-Plus): the mean of the similarities to each
+    several = reward(samples, EDITS, [{"image": [r["image"] for r in records]}, records[1]])
+    torch.testing.assert_close(several["input_similarity"][0], (o[0] * i).sum(-1).mean(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(several["input_similarity"][1], out["input_similarity"][1], rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- Wan image-to-video
@@ -293,40 +308,71 @@ def test_wan_i2v_trains_with_every_objective(wan_world, tmp_path, method):
         assert grid.width > grid.height
 
 
-# --------------------------------------------------------------------------- Qwen-Image-Edit
+# --------------------------------------------------------------------------- Qwen-Image-Edit(-Plus)
+
+# the pipelines encode each input at 1024² pixels (the real checkpoints'): 4096 tokens of this tiny model per
+# input at every step. Here adapter and pipeline alike encode it at 64² (calculate_dimensions' target area,
+# patched in both), which exercises the same code at 1/256 of the cost.
+CONDITION_AREA = 64 * 64
+
+
+@pytest.fixture
+def small_condition(monkeypatch):
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+
+    from pipelines.qwen_image_edit import QwenImageEditAdapter
+    from pipelines.qwen_image_edit_plus import QwenImageEditPlusAdapter
+
+    original = pipeline_qwenimage_edit.calculate_dimensions
+    monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions",  # QwenImageEditPipeline's inline 1024²
+                        lambda area, ratio: original(CONDITION_AREA if area == 1024 * 1024 else area, ratio))
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", CONDITION_AREA)
+    monkeypatch.setattr(QwenImageEditAdapter, "condition_area", CONDITION_AREA)
+    monkeypatch.setattr(QwenImageEditPlusAdapter, "condition_area", CONDITION_AREA)
+
 
 @pytest.fixture(scope="module")
 def qwen_edit(world, tmp_path_factory):
-    """A tiny QwenImageEditPipeline folder; the prompt set is ``world``'s (scenes with edits)."""
+    """Tiny QwenImageEditPipeline and QwenImageEditPlusPipeline folders (the same weights); the prompt
+    sets are ``world``'s (scenes with edits) and, for Edit-Plus, each edit with both scenes as inputs."""
     from pipelines.tiny_zoo import build_tiny_qwen_image_edit_pipeline
 
-    path = tmp_path_factory.mktemp("qwen-edit")
-    build_tiny_qwen_image_edit_pipeline(vocabulary() + sorted({w for e in EDITS for w in e.split()})
-                                        ).save_pretrained(path)
-    return path
+    root = tmp_path_factory.mktemp("qwen-edit")
+    words = vocabulary() + sorted({w for e in EDITS for w in e.split()})
+    for family, plus in (("qwen_image_edit", False), ("qwen_image_edit_plus", True)):
+        build_tiny_qwen_image_edit_pipeline(words, plus=plus).save_pretrained(root / family)
+    scenes = [str(world / "inputs" / f"scene{i}.png") for i in range(2)]
+    (root / "plus.jsonl").write_text("".join(json.dumps({"prompt": p, "image": scenes[i:] + scenes[:i]}) + "\n"
+                                             for i, p in enumerate(EDITS)))
+    return root
 
 
-def _qwen_edit_latents(path, records, seed, pipe=None):
-    from diffusers import QwenImageEditPipeline
+def _qwen_edit_records(world, qwen_edit, family):
+    return load_prompts(str(qwen_edit / "plus.jsonl") if family.endswith("plus") else str(world / "edits.jsonl"))
 
-    pipe = pipe or QwenImageEditPipeline.from_pretrained(path)
+
+def _qwen_edit_latents(path, records, seed, family, pipe=None):
+    pipe = pipe or adapter_class(family).pipeline_class.from_pretrained(path / family)
     pipe.set_progress_bar_config(disable=True)
     out = []
-    for r in records:  # the pipeline takes one input image per call
-        out.append(pipe(image=Image.open(r["image"]).convert("RGB"), prompt=[r["prompt"]], height=32, width=32,
-                        num_inference_steps=STEPS, true_cfg_scale=4.0, negative_prompt=" ", output_type="latent",
-                        max_sequence_length=64, generator=torch.Generator().manual_seed(seed)).images)
+    for r in records:  # the pipelines take one prompt per call
+        images = r["image"] if isinstance(r["image"], list) else [r["image"]]
+        images = [Image.open(i).convert("RGB") for i in images]
+        out.append(pipe(image=images if family.endswith("plus") else images[0], prompt=[r["prompt"]], height=32,
+                        width=32, num_inference_steps=STEPS, true_cfg_scale=4.0, negative_prompt=" ",
+                        output_type="latent", max_sequence_length=64,
+                        generator=torch.Generator().manual_seed(seed)).images)
     return out
 
 
-def test_qwen_image_edit_reproduces_the_pipeline_trains_and_its_lora_loads(world, qwen_edit, tmp_path):
-    from diffusers import QwenImageEditPipeline
+@pytest.mark.parametrize("family", ["qwen_image_edit", "qwen_image_edit_plus"])
+def test_qwen_image_edit_reproduces_the_pipeline_trains_and_its_lora_loads(world, qwen_edit, tmp_path, family,
+                                                                           small_condition):
+    records = _qwen_edit_records(world, qwen_edit, family)
+    adapter = adapter_class(family).from_pretrained(str(qwen_edit / family), height=32, width=32,
+                                                    max_sequence_length=64)
 
-    records = _records(world)
-    adapter = adapter_class("qwen_image_edit").from_pretrained(str(qwen_edit), height=32, width=32,
-                                                               max_sequence_length=64)
-
-    def samples(seed, eta=0.0):  # each record alone: the pipeline's noise for one image per call
+    def samples(seed, eta=0.0, records=records):  # each record alone: the pipeline's noise for one prompt per call
         out = []
         for r in records:
             generator = torch.Generator().manual_seed(seed)
@@ -335,22 +381,30 @@ def test_qwen_image_edit_reproduces_the_pipeline_trains_and_its_lora_loads(world
             out.append((traj, adapter.pipe._pack_latents(traj.samples, *traj.samples.shape)))
         return out
 
-    expected = _qwen_edit_latents(qwen_edit, records, 3)
-    assert all((got - exp).abs().max().item() <= 1e-5 for (_, got), exp in zip(samples(3), expected))
+    expected = _qwen_edit_latents(qwen_edit, records, 3, family)
+    got = samples(3)
+    assert all((g - exp).abs().max().item() <= 1e-5 for (_, g), exp in zip(got, expected))
+    tokens = {"qwen_image_edit": 16, "qwen_image_edit_plus": 32}[family]  # 4×4 tokens of each 64² input
+    assert got[0][0].cond.tensors["image_latents"].shape[1] == tokens
+    if family.endswith("plus"):  # guard: both inputs, in their order, matter at this tolerance
+        swapped = [{**r, "image": r["image"][::-1]} for r in records]
+        assert (samples(3, records=swapped)[0][1] - expected[0]).abs().max() > 1e-4  # 10× the tolerance
+        with pytest.raises(ValueError, match="number and aspect ratios"):
+            adapter.encode(["x"], images=[[records[0]["image"][0]]])
     adapter.add_lora(rank=4)
     _perturb(adapter.model)
     traj, _ = samples(2, eta=1.0)[0]
     assert any(g is not None and g.abs().sum() > 0 for g in rescored_gradients(adapter, traj, STEPS - 1, 4.0).values())
     adapter.save_trained(tmp_path / "lora")
-    pipe = QwenImageEditPipeline.from_pretrained(qwen_edit)
+    pipe = adapter_class(family).pipeline_class.from_pretrained(qwen_edit / family)
     pipe.load_lora_weights(tmp_path / "lora")  # the pipeline's own loader (QwenImageLoraLoaderMixin)
-    loaded = _qwen_edit_latents(qwen_edit, records, 0, pipe=pipe)
-    assert all((got - exp).abs().max().item() <= 1e-5 for (_, got), exp in zip(samples(0), loaded))
+    loaded = _qwen_edit_latents(qwen_edit, records, 0, family, pipe=pipe)
+    assert all((g - exp).abs().max().item() <= 1e-5 for (_, g), exp in zip(samples(0), loaded))
 
     SEEN.clear()
-    prompts = world / "edits.jsonl"
+    prompts = qwen_edit / "plus.jsonl" if family.endswith("plus") else world / "edits.jsonl"
     trainer = Trainer(load_config(None, [
-        f"output_dir={tmp_path / 'run'}", "model.family=qwen_image_edit", f"model.path={qwen_edit}",
+        f"output_dir={tmp_path / 'run'}", f"model.family={family}", f"model.path={qwen_edit / family}",
         "model.lora_rank=4", "model.height=32", "model.width=32", "model.kwargs={max_sequence_length: 64}",
         "sampling.guidance_scale=1.0", "tracker=none", f"sampling.num_steps={STEPS}", "train.epochs=1",
         "train.groups_per_epoch=2", "train.group_size=2", "train.sample_batch_size=4", "train.train_batch_size=4",
@@ -361,7 +415,8 @@ def test_qwen_image_edit_reproduces_the_pipeline_trains_and_its_lora_loads(world
     trainer.train()
     stats = trainer.history[0]
     assert stats["train/ratio"] == pytest.approx(1.0, abs=1e-6) and stats["train/grad_norm"] > 0
-    assert SEEN and all(image in {r["image"] for r in records} for batch in SEEN for image in batch)
+    given = {str(r["image"]) for r in records}
+    assert SEEN and all(str(image) in given for batch in SEEN for image in batch)
 
 
 def test_flowalign_eval_conditions_on_the_records_images(world, tmp_path):
