@@ -139,17 +139,37 @@ def cmd_generate_groups(args) -> int:
     return 0
 
 
+def _records(prompts: list[str], images: list[str] | None) -> list[dict]:
+    """--prompt values as prompt records, each with its --image (one per prompt; several input images
+    of one prompt separated by "|"), resolved as a prompt file's are (``flowalign.prompts``)."""
+    from flowalign.config import ConfigError
+    from flowalign.prompts import resolve_image
+
+    if not images:
+        return [{"prompt": p} for p in prompts]
+    if len(images) != len(prompts):
+        raise ConfigError(f"--image: one per --prompt (an image-conditioned family's input), got {len(images)} "
+                          f"image(s) for {len(prompts)} prompt(s)")
+    # relative paths: from the working directory (an error names "--image" where a prompt file is named)
+    return [resolve_image({"prompt": p, "image": i}, Path.cwd() / "--image") for p, i in zip(prompts, images)]
+
+
 def cmd_grid(args) -> int:
     import torch
 
     from flowalign.evaluation import load_policy, resolve_policies, sample_images
-    from flowalign.grids import as_image_cells, labelled_grid, save_gif, save_grid
+    from flowalign.grids import as_image_cells, labelled_grid, save_gif, save_grid, with_inputs
     from flowalign.prompts import load_prompts
 
-    prompts = args.prompt or [p["prompt"] for p in load_prompts(args.prompts)][: args.max_prompts]
+    if args.image and not args.prompt:
+        raise FileNotFoundError("--image goes with --prompt (a prompt file's records carry their own \"image\")")
+    records = _records(args.prompt, args.image) if args.prompt else load_prompts(args.prompts)[: args.max_prompts]
+    prompts = [r["prompt"] for r in records]
+    inputs = [r.get("image") for r in records]
     seeds, policies = _seeds(args), resolve_policies(args.policies)
     model, family, loading = _model_loading(args)
-    per_policy = [sample_images(load_policy(p, model, family, **loading), prompts, seeds, args.steps, args.guidance)
+    # records, not prompt strings: an image-conditioned family encodes each record's "image" with its prompt
+    per_policy = [sample_images(load_policy(p, model, family, **loading), records, seeds, args.steps, args.guidance)
                   for p in policies]
     if per_policy[0].ndim == 5:  # videos: one GIF per cell next to the contact-sheet grid
         gif_dir = Path(args.out).with_suffix("")
@@ -162,6 +182,9 @@ def cmd_grid(args) -> int:
     # [P, R·S, ...] → row-major (prompt, policy, seed)
     images = torch.stack(per_policy).unflatten(1, (len(prompts), len(seeds))).transpose(0, 1).flatten(0, 2)
     columns = {p.label: [f"seed {s}" for s in seeds] for p in policies}
+    if any(inputs):  # an image-conditioned task: each row's input first, beside its outputs
+        images = with_inputs(images, inputs, len(policies) * len(seeds))
+        columns = {"input": ["image"], **columns}
     save_grid(labelled_grid(images, prompts, columns), args.out, prompts)
     print(f"wrote {args.out} ({len(prompts)} prompts × {len(policies)} policies × {len(seeds)} seeds)")
     return 0
@@ -224,8 +247,8 @@ def cmd_sample(args) -> int:
     policy = Policy("trained", args.weights) if args.weights else Policy("base", None)
     seeds = _seeds(args)
     model, family, loading = _model_loading(args)
-    images = sample_images(load_policy(policy, model, family, **loading), [args.prompt], seeds, args.steps,
-                           args.guidance)
+    record = _records([args.prompt], [args.image] if args.image else None)
+    images = sample_images(load_policy(policy, model, family, **loading), record, seeds, args.steps, args.guidance)
     for seed, image in zip(seeds, images):
         path = args.out.replace("{seed}", str(seed)) if "{seed}" in args.out else f"{args.out[:-4]}-{seed}.png"
         save_image(image, path)
@@ -282,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy_args(p)
     p.add_argument("--prompts", default="shapes:test", help="shapes:test, a .txt or a .jsonl prompt file")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; overrides --prompts)")
+    p.add_argument("--image", action="append", help="an image-conditioned family's input image for each --prompt "
+                   "(repeatable, in order; several inputs of one prompt separated by |); a prompt file's records "
+                   "carry their own, and the grid shows each row's input first")
     p.add_argument("--max-prompts", type=int, default=12)
     p.add_argument("--out", default="grid.png")
     p.set_defaults(func=cmd_grid)
@@ -343,6 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--weights", default=None, help="trained weights: a run's final/ or a checkpoint's policy/")
     p.add_argument("prompt")
+    p.add_argument("--image", default=None, help="the input image of an image-conditioned family (several inputs "
+                   "separated by |)")
     p.add_argument("--out", default="sample-{seed}.png", help="output path; {seed} is replaced")
     p.set_defaults(func=cmd_sample)
     return parser

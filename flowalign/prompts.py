@@ -54,7 +54,7 @@ def load_prompts(source: str | list) -> list[dict]:
             if not isinstance(record, dict) or "prompt" not in record:
                 raise ValueError(f"{path}: line {number} has no \"prompt\" key")
             records.append(record)
-        return [_resolve_image(r, path) for r in records]
+        return [resolve_image(r, path) for r in records]
     if path.suffix == ".csv":
         with path.open(newline="") as f:
             reader = csv.DictReader(f)
@@ -65,14 +65,14 @@ def load_prompts(source: str | list) -> list[dict]:
         bad = [i + 2 for i, r in enumerate(records) if not r.get("prompt")]  # line 1 is the header
         if bad:
             raise ValueError(f"{path}: line {bad[0]} has no \"prompt\" value")
-        return [_resolve_image(r, path) for r in records]
+        return [resolve_image(r, path) for r in records]
     if path.suffix == ".txt":
         return [{"prompt": line.strip()} for line in path.read_text().splitlines() if line.strip()]
     raise ValueError(f"{path}: prompt files must be .txt (one prompt a line), .jsonl (one record a line) or .csv "
                      f"(a header with a prompt column), got {path.suffix or 'no extension'}")
 
 
-def _resolve_image(record: dict, prompt_file: Path) -> dict:
+def resolve_image(record: dict, prompt_file: Path) -> dict:
     """A record's "image" as an absolute path (relative to the prompt file's folder); it must exist.
     Several input images (Qwen-Image-Edit-Plus): a list of paths (jsonl) or paths separated by "|"
     (CSV), resolved to a list."""

@@ -429,3 +429,27 @@ def test_flowalign_eval_conditions_on_the_records_images(world, tmp_path):
                                                    "options": {"max_sequence_length": TOKENS}})
     assert SEEN and all(image in {r["image"] for r in _records(world)} for batch in SEEN for image in batch)
     assert summary
+
+
+def test_flowalign_grid_shows_each_records_input_beside_its_outputs(world, tmp_path):
+    from flowalign.cli import main
+
+    recipe = tmp_path / "kontext.yaml"
+    recipe.write_text(f"model:\n  family: flux_kontext\n  path: {world / 'model'}\n  height: {SIZE}\n  width: {SIZE}\n"
+                      f"  kwargs: {{max_sequence_length: {TOKENS}}}\n")
+    common = ["grid", "--config", str(recipe), "--seeds", "0,1", "--steps", "2", "--guidance", str(GUIDANCE)]
+    assert main([*common, "--prompts", str(world / "edits.jsonl"), "--out", str(tmp_path / "grid.png")]) == 0
+    grid = np.array(Image.open(tmp_path / "grid.png").convert("RGB"))
+    cell = SIZE * 6  # to_pil_grid upscales 16-pixel samples 6× (its 96-pixel minimum), with 2-pixel padding
+    body_width = 3 * (cell + 2) + 2  # the input column, then 1 policy × 2 seeds
+    top, left = 2 * (12 + 6), grid.shape[1] - body_width  # under labelled_grid's two header lines, right-aligned
+    for row, record in enumerate(_records(world)):
+        scene = np.array(Image.open(record["image"]).convert("RGB").resize((cell, cell), Image.NEAREST))
+        y, x = top + 2 + row * (cell + 2), left + 2
+        assert np.array_equal(grid[y:y + cell, x:x + cell], scene), row  # each row's own input, first
+        assert not np.array_equal(grid[y:y + cell, x + cell + 2:x + 2 * cell + 2], scene)  # then the outputs
+    # --prompt with --image: the same grid as the prompt file's records
+    pairs = [arg for r in _records(world) for arg in ("--prompt", r["prompt"], "--image", r["image"])]
+    assert main([*common, *pairs, "--out", str(tmp_path / "flags.png")]) == 0
+    assert np.array_equal(np.array(Image.open(tmp_path / "flags.png").convert("RGB")), grid)
+    assert main([*common, "--prompt", EDITS[0], "--image", "nowhere.png", "--out", str(tmp_path / "x.png")]) == 2
