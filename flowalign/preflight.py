@@ -296,7 +296,7 @@ def _model_lines(config: RunConfig, cls, warnings: list[str]) -> list[tuple[str,
     source, index = _weights_source(m.path)
     lines = [("weights", source)]
     components = _components(cls, m.path, index)
-    trained = getattr(cls, "model_folder", "?")
+    trained = _trained_text(cls, index)
     if m.lora_rank > 0:
         targets = ", ".join(m.lora_targets or getattr(cls, "lora_targets", ()))
         lines.append(("trains", f"LoRA on {trained}: r={m.lora_rank}, alpha={m.lora_alpha or m.lora_rank:g}, "
@@ -324,6 +324,24 @@ def _model_lines(config: RunConfig, cls, warnings: list[str]) -> list[tuple[str,
                       for k, (_, d) in options.items())
     lines.append(("model.kwargs", shown or "none (this family takes no options)"))
     return lines
+
+
+def _trained_text(cls, index: dict | None) -> str:
+    """Which denoisers train: ``model_folder``, and a further one (Wan 2.2 A14B's ``transformer_2``,
+    ``possible_extra_folders``) when model_index.json lists it, or "if the checkpoint has one" when
+    the index is not readable here (a hub id not in the local cache)."""
+    first = getattr(cls, "model_folder", "?")
+    extra = cls.possible_extra_folders() if hasattr(cls, "possible_extra_folders") else {}
+    present = {k: v for k, v in extra.items() if index is not None and (index.get(k) or [None])[0] is not None}
+    if not extra or (index is not None and not present):
+        return first
+    boundary = f" (switched at boundary_ratio {index['boundary_ratio']:g})" if index and "boundary_ratio" in index else ""
+    roles = "; ".join(f"{k}: {v}" for k, v in extra.items())
+    each = ("each expert with its own adapter, trained only on the steps it denoises; "
+            + ", ".join(f"{k}'s saved to final/{k}_lora/" for k in extra))
+    if present:
+        return f"{first} and {', '.join(present)}{boundary} ({roles}; {each})"
+    return f"{first}, and on {', '.join(extra)} if the checkpoint has one ({roles}; then {each})"
 
 
 def _weights_source(path: str) -> tuple[str, dict | None]:

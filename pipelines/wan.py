@@ -120,6 +120,12 @@ class WanAdapter(DenoiserAdapter):
         self.scheduler = euler_scheduler(pipe.scheduler)
 
     @classmethod
+    def possible_extra_folders(cls) -> dict[str, str]:
+        """Further denoisers a checkpoint of this family may have, by pipeline attribute, with their role
+        (what the dry run says it would train, before any weight is read)."""
+        return {"transformer_2": "the low-noise expert of Wan 2.2 A14B, transformer the high-noise one"}
+
+    @classmethod
     def extra_folders(cls, pipe) -> tuple[str, ...]:
         return ("transformer_2",) if getattr(pipe, "transformer_2", None) is not None else ()
 

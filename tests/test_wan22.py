@@ -204,3 +204,23 @@ def test_the_trainer_trains_only_the_expert_of_the_trained_steps(folders, tmp_pa
     trainer.train()
     changed = {n for n, p, p0 in zip(names, trainer.params, initial) if (p.detach() - p0).abs().max() > 0}
     assert changed and all(n.startswith(trained) for n in changed)
+
+
+def test_the_dry_run_says_both_experts_get_a_lora(folders, tmp_path):
+    from flowalign.preflight import dry_run
+
+    def trains(layout_or_path):
+        path = folders / layout_or_path if (folders / layout_or_path).is_dir() else layout_or_path
+        text = dry_run(_config(folders, tmp_path, "a14b", f"model.path={path}"))
+        return next(line.split("trains", 1)[1].strip() for line in text.splitlines() if line.strip().startswith("trains"))
+
+    # a local A14B folder: its model_index.json lists transformer_2 and the boundary
+    assert trains("a14b").startswith("LoRA on transformer and transformer_2 (switched at boundary_ratio 0.875) "
+                                     "(transformer_2: the low-noise expert")
+    assert "transformer_2's saved to final/transformer_2_lora/): r=4, alpha=4" in trains("a14b")
+    assert trains("ti2v").startswith("LoRA on transformer: r=4")  # one transformer
+    # a hub id whose index is not readable here: the dry run cannot know, and says so
+    assert trains("Wan-AI/Wan2.2-T2V-A14B-Diffusers").startswith(
+        "LoRA on transformer, and on transformer_2 if the checkpoint has one")
+    full = dry_run(_config(folders, tmp_path, "a14b", "model.lora_rank=0"))
+    assert "all of transformer and transformer_2 (switched at boundary_ratio 0.875)" in full
