@@ -23,3 +23,17 @@ def tiny_adapter(tiny_sd3_dir):
     from pipelines.sd3 import SD3Adapter
 
     return SD3Adapter.from_pretrained(str(tiny_sd3_dir))
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(request, tmp_path_factory):
+    """variant → folder of a tiny random pipeline saved with save_pretrained, built by the test module's
+    ``PIPELINE_BUILDERS[variant]()`` (a dict of zero-argument builders), each once per module when first asked."""
+    builders, built = request.module.PIPELINE_BUILDERS, {}
+
+    def folder(variant: str):
+        if variant not in built:
+            built[variant] = tmp_path_factory.mktemp(f"tiny-{variant}")
+            builders[variant]().save_pretrained(built[variant])
+        return built[variant]
+    return folder

@@ -27,25 +27,14 @@ VARIANTS = {
 }
 
 
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    """variant → folder of a tiny random pipeline saved with save_pretrained (each built once, when first asked)."""
-    built = {}
-
-    def folder(variant):
-        if variant not in built:
-            built[variant] = tmp_path_factory.mktemp(f"tiny-{variant}")
-            VARIANTS[variant][1]().save_pretrained(built[variant])
-        return built[variant]
-    return folder
+# builders of the tiny pipelines; conftest.py's tiny_folder builds and saves each once per module
+PIPELINE_BUILDERS = {name: variant[1] for name, variant in VARIANTS.items()}
 
 
 @pytest.fixture(params=sorted(VARIANTS))
-def tiny(request, folders):
+def tiny(request, tiny_folder):
     """(variant, folder), for every variant."""
-    return request.param, folders(request.param)
+    return request.param, tiny_folder(request.param)
 
 
 def _adapter(tiny, **kwargs):
@@ -116,8 +105,8 @@ def test_eta_zero_rollout_reproduces_the_pipeline(tiny):
 
 
 @pytest.mark.parametrize("variant", ["flux-dev", "flux-schnell"])
-def test_flux_true_cfg_reproduces_the_pipeline(folders, variant):
-    tiny = variant, folders(variant)
+def test_flux_true_cfg_reproduces_the_pipeline(tiny_folder, variant):
+    tiny = variant, tiny_folder(variant)
     guidance = VARIANTS[variant][3]
     adapter = _adapter(tiny, true_cfg_scale=2.5, negative_prompt="")
     expected = _pipeline_output(_pipeline(tiny), tiny, guidance, seed=1, true_cfg_scale=2.5, negative_prompt="")
@@ -188,9 +177,9 @@ def test_decode_returns_the_pipelines_pt_output(tiny):
     assert (adapter.decode(latents) - expected).abs().max().item() <= 1e-5
 
 
-def test_wan_vae_tiling_decodes_the_same_shape(folders):
+def test_wan_vae_tiling_decodes_the_same_shape(tiny_folder):
     # Wan's VAE takes tile sizes, so tiles smaller than these tiny frames can be asked for
-    adapter = _adapter(("wan", folders("wan")))
+    adapter = _adapter(("wan", tiny_folder("wan")))
     latents = adapter.initial_noise(2, torch.Generator().manual_seed(0))
     plain = adapter.decode(latents)
     adapter.enable_vae_tiling(tile_sample_min_height=16, tile_sample_min_width=16, tile_sample_stride_height=8,

@@ -75,24 +75,14 @@ VARIANTS = {
 }
 
 
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    """variant → folder of its tiny random pipeline (save_pretrained; each built once, when first asked)."""
-    built = {}
-
-    def folder(variant):
-        if variant not in built:
-            built[variant] = tmp_path_factory.mktemp(f"tiny-{variant}")
-            VARIANTS[variant].build().save_pretrained(built[variant])
-        return built[variant]
-    return folder
+# builders of the tiny pipelines; conftest.py's tiny_folder builds and saves each once per module
+PIPELINE_BUILDERS = {name: variant.build for name, variant in VARIANTS.items()}
 
 
 @pytest.fixture(params=sorted(VARIANTS))
-def tiny(request, folders):
+def tiny(request, tiny_folder):
     """(Variant, folder), for every variant."""
-    return VARIANTS[request.param], folders(request.param)
+    return VARIANTS[request.param], tiny_folder(request.param)
 
 
 def _adapter(tiny, **kwargs):
@@ -214,9 +204,9 @@ def test_sizes_the_pipeline_cannot_pack_are_refused(tiny):
         adapter_class(variant.family).from_pretrained(str(path), height=multiple + multiple // 2, width=multiple)
 
 
-def test_z_image_turbo_few_step_schedule_is_the_pipelines(folders):
+def test_z_image_turbo_few_step_schedule_is_the_pipelines(tiny_folder):
     # Turbo's published sampling: 9 steps (the last at σ = 1/9 → 0), guidance_scale 0
-    tiny = VARIANTS["z_image_turbo"], folders("z_image_turbo")
+    tiny = VARIANTS["z_image_turbo"], tiny_folder("z_image_turbo")
     adapter = _adapter(tiny)
     pipe = _pipeline(tiny)
     schedule = adapter.schedule(9)
