@@ -335,7 +335,8 @@ def _trained_text(cls, index: dict | None) -> str:
     present = {k: v for k, v in extra.items() if index is not None and (index.get(k) or [None])[0] is not None}
     if not extra or (index is not None and not present):
         return first
-    boundary = f" (switched at boundary_ratio {index['boundary_ratio']:g})" if index and "boundary_ratio" in index else ""
+    boundary = (f" (switched at boundary_ratio {index['boundary_ratio']:g})" if index and "boundary_ratio" in index
+                else "")
     roles = "; ".join(f"{k}: {v}" for k, v in extra.items())
     each = ("each expert with its own adapter, trained only on the steps it denoises; "
             + ", ".join(f"{k}'s saved to final/{k}_lora/" for k in extra))

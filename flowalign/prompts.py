@@ -85,6 +85,7 @@ def resolve_image(record: dict, prompt_file: Path) -> dict:
     for path in paths:
         image = (prompt_file.parent / Path(str(path).strip()).expanduser()).resolve()
         if not image.is_file():
-            raise FileNotFoundError(f"{prompt_file}: conditioning image of {record['prompt']!r} not found: tried {image}")
+            raise FileNotFoundError(f"{prompt_file}: conditioning image of {record['prompt']!r} not found: "
+                                    f"tried {image}")
         resolved.append(str(image))
     return {**record, "image": resolved if several else resolved[0]}

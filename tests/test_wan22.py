@@ -212,7 +212,8 @@ def test_the_dry_run_says_both_experts_get_a_lora(folders, tmp_path):
     def trains(layout_or_path):
         path = folders / layout_or_path if (folders / layout_or_path).is_dir() else layout_or_path
         text = dry_run(_config(folders, tmp_path, "a14b", f"model.path={path}"))
-        return next(line.split("trains", 1)[1].strip() for line in text.splitlines() if line.strip().startswith("trains"))
+        return next(line.split("trains", 1)[1].strip() for line in text.splitlines()
+                    if line.strip().startswith("trains"))
 
     # a local A14B folder: its model_index.json lists transformer_2 and the boundary
     assert trains("a14b").startswith("LoRA on transformer and transformer_2 (switched at boundary_ratio 0.875) "
