@@ -24,7 +24,9 @@ HUB_IDS = {"sd35m_flow_grpo_geneval.yaml": "stabilityai/stable-diffusion-3.5-med
            "wan22_a14b_t2v_flow_grpo_temporal.yaml": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
            "flux_kontext_flow_grpo_counting_edit.yaml": "black-forest-labs/FLUX.1-Kontext-dev",
            "qwen_image_edit_flow_grpo_counting_edit.yaml": "Qwen/Qwen-Image-Edit",
-           "wan21_i2v_flow_grpo_temporal.yaml": "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"}
+           "wan21_i2v_flow_grpo_temporal.yaml": "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
+           "qwen_image_edit_plus_flow_grpo_counting_edit.yaml": "Qwen/Qwen-Image-Edit-2509",
+           "wan22_ti2v_i2v_flow_grpo_temporal.yaml": "Wan-AI/Wan2.2-TI2V-5B-Diffusers"}
 
 
 @pytest.fixture
