@@ -141,6 +141,7 @@ def _load_builtins_and_plugins() -> None:
     import reward_models.pref_grpo  # noqa: F401
     import reward_models.remote  # noqa: F401
     import reward_models.shapes  # noqa: F401
+    import reward_models.shapes_edit  # noqa: F401
     import reward_models.video  # noqa: F401
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
