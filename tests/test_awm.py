@@ -1,10 +1,11 @@
 """AWM: the constant-advantage reduction to flow matching, a hand-computed value, the gradient's
-sign on a toy problem, the KL term, and the trainer path on the tiny SD3 fixture."""
+sign on a toy problem, the KL term, the authors' generalised Huber loss by hand and against their
+clipped-ratio form, and the trainer path on the tiny SD3 fixture."""
 
 import pytest
 import torch
 
-from flowalign.objectives.awm import awm_loss
+from flowalign.objectives.awm import awm_loss, ghuber
 from flowalign.trainer import Trainer
 from test_trainer import tiny_config
 
@@ -57,6 +58,40 @@ def test_kl_term_is_zero_at_the_reference_and_needs_v_ref():
         awm_loss(v_theta, target, torch.zeros(3), kl_beta=0.5)
 
 
+def test_ghuber_by_hand_and_its_power_one_is_the_mse():
+    v_theta = torch.tensor([[0.25, 0.25], [1.0, -1.0]])
+    target = torch.zeros(2, 2)
+    # errors m: 0.0625 and 1; ρ(m) = ((m + 1e-10)^¼ − 1e-10^¼)/¼ = 4·(0.5 − 10^-2.5) and 4·(1 − 10^-2.5)
+    eps_p = 10 ** -2.5
+    loss, stats = awm_loss(v_theta, target, torch.tensor([2.0, -1.0]), time_weight=torch.tensor([0.5, 0.8]),
+                           ghuber_power=0.25)
+    by_hand = (2.0 * 0.5 * 4 * (0.5 - eps_p) + (-1.0) * 0.8 * 4 * (1 - eps_p)) / 2
+    assert loss.item() == pytest.approx(by_hand, rel=1e-6)
+    assert stats["awm_fm"].item() == pytest.approx((0.0625 + 1.0) / 2)  # the logged error stays the MSE
+    m = torch.rand(5) + 0.01
+    assert torch.allclose(ghuber(m, 1.0), m, atol=1e-7)  # p = 1: the plain flow-matching error
+    # dρ/dm = (m + ε)^(p − 1): 0.0625^(−¾) = 8 at p = ¼, so errors the model fits well weigh more
+    m = torch.tensor([0.0625, 1.0], requires_grad=True)
+    (grad,) = torch.autograd.grad(ghuber(m, 0.25).sum(), m)
+    assert torch.allclose(grad, torch.tensor([8.0, 1.0]), rtol=1e-6)
+
+
+def test_ghuber_with_sigma_weights_has_the_gradient_of_the_authors_ratio_loss_at_ratio_one():
+    """The authors' code (written here independently from its description): log p = −t·ρ(m) with
+    their 'ghuber' ρ, ratio = exp(log p − log p_old), loss = mean −A·ratio (clip range 1: no clip at
+    ratio 1). At the rollout weights (log p_old = log p) its gradient is AWM's with ghuber and w = σ."""
+    g = torch.Generator().manual_seed(0)
+    v_theta, target = torch.randn(4, 3, 2, generator=g).requires_grad_(True), torch.randn(4, 3, 2, generator=g)
+    sigma, adv = torch.rand(4, generator=g), torch.tensor([1.0, -0.3, 0.7, -1.4])
+    m = ((v_theta.double() - target.double()) ** 2).mean(dim=(1, 2))
+    log_p = -(torch.pow(m + 1e-10, 0.25) - torch.pow(torch.tensor(1e-10, dtype=torch.float64), 0.25)) * sigma / 0.25
+    theirs = (-adv * torch.exp(log_p - log_p.detach())).mean()
+    ours, _ = awm_loss(v_theta, target, adv, time_weight=sigma, ghuber_power=0.25)
+    (g_theirs,) = torch.autograd.grad(theirs, v_theta)
+    (g_ours,) = torch.autograd.grad(ours, v_theta)
+    assert torch.allclose(g_ours, g_theirs.float(), rtol=1e-5, atol=1e-7)
+
+
 def test_awm_trains_on_ode_rollouts_through_the_trainer(tiny_sd3_dir, tmp_path):
     trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, *AWM, "train.kl_beta=0.1",
                                   "train.awm_time_weighting=sigma"))
@@ -67,8 +102,20 @@ def test_awm_trains_on_ode_rollouts_through_the_trainer(tiny_sd3_dir, tmp_path):
     assert trainer.history[0]["train/kl"] == pytest.approx(0.0, abs=1e-8)  # starts at the reference
 
 
+def test_the_authors_ghuber_setting_trains_through_the_trainer(tiny_sd3_dir, tmp_path):
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, *AWM, "train.epochs=1", "train.awm_loss=ghuber",
+                                  "train.awm_time_weighting=sigma"))
+    trainer.train()
+    assert trainer.history[0]["train/grad_norm"] > 0
+
+
 def test_the_time_weighting_is_validated_before_the_model_loads(tmp_path):
     from flowalign.errors import ConfigError
 
     with pytest.raises(ConfigError, match="train.awm_time_weighting"):
         Trainer(tiny_config(tmp_path / "no-model-here", tmp_path, *AWM, "train.awm_time_weighting=t2"))
+    with pytest.raises(ConfigError, match="train.awm_loss"):
+        Trainer(tiny_config(tmp_path / "no-model-here", tmp_path, *AWM, "train.awm_loss=huber"))
+    with pytest.raises(ConfigError, match="train.awm_ghuber_power"):
+        Trainer(tiny_config(tmp_path / "no-model-here", tmp_path, *AWM, "train.awm_loss=ghuber",
+                            "train.awm_ghuber_power=0"))
