@@ -122,7 +122,7 @@ class GRPOGuardOptions:
     """``train.*`` options of method grpo_guard."""
 
     # The paper's gradient reweighting of each trained step's policy loss: "inverse_dt" multiplies it
-    # by 1/|dt| (σ − σ' of the step), so every step moves the velocity by a comparable amount
+    # by 1/(σ − σ') of the step, so every step moves the velocity by a comparable amount
     # (verl-omni's port: loss / sqrt(−dt)²); "none" leaves RatioNorm alone (Flow-Factory's port, and
     # this objective before the reweighting was added).
     guard_step_weight: str = "inverse_dt"
