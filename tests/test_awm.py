@@ -58,6 +58,16 @@ def test_kl_term_is_zero_at_the_reference_and_needs_v_ref():
         awm_loss(v_theta, target, torch.zeros(3), kl_beta=0.5)
 
 
+def test_the_ema_kl_term_by_hand_and_needs_v_ema():
+    v_theta, target = _problem()
+    loss, stats = awm_loss(v_theta, target, torch.zeros(3), v_ref=v_theta + 1.0, kl_beta=0.5, v_ema=v_theta - 2.0,
+                           ema_beta=0.25)
+    assert stats["ema_kl"].item() == pytest.approx(4.0) and stats["kl"].item() == pytest.approx(1.0)
+    assert loss.item() == pytest.approx(0.5 * 1.0 + 0.25 * 4.0)
+    with pytest.raises(ValueError, match="v_ema"):
+        awm_loss(v_theta, target, torch.zeros(3), ema_beta=1.0)
+
+
 def test_ghuber_by_hand_and_its_power_one_is_the_mse():
     v_theta = torch.tensor([[0.25, 0.25], [1.0, -1.0]])
     target = torch.zeros(2, 2)
@@ -109,6 +119,31 @@ def test_the_authors_ghuber_setting_trains_through_the_trainer(tiny_sd3_dir, tmp
     assert trainer.history[0]["train/grad_norm"] > 0
 
 
+def test_the_ema_kl_averages_once_per_epoch_with_the_authors_ramp_and_resumes_exactly(tiny_sd3_dir, tmp_path):
+    """One optimizer step per epoch here: the decay is min(0.3, 0.001·steps) = 0.001 after the first
+    epoch, so the EMA is 0.001·(initial weights) + 0.999·(weights after it); it starts at the policy
+    (ema_kl 0 on the first minibatch). The EMA and the step count are checkpointed."""
+    over = (*AWM, "train.awm_ema_beta=1.0", "train.learning_rate=1e-2")
+    one = Trainer(tiny_config(tiny_sd3_dir, tmp_path / "one", *over, "train.epochs=1"))
+    start = [p.detach().clone() for p in one.params]
+    one.train()
+    assert one.history[0]["train/ema_kl"] == pytest.approx(0.0, abs=1e-10)
+    assert one.history[0]["train/awm_ema_decay"] == pytest.approx(0.001)
+    for s, p0, p1 in zip(one.objective.ema.shadow, start, one.params):
+        assert torch.allclose(s, 0.001 * p0 + 0.999 * p1.detach(), atol=1e-6)
+    full = Trainer(tiny_config(tiny_sd3_dir, tmp_path / "full", *over, "train.epochs=3"))
+    full.train()
+    assert [h["train/awm_ema_decay"] for h in full.history] == pytest.approx([0.001, 0.002, 0.003])
+    assert full.history[1]["train/ema_kl"] > 0
+    cut = Trainer(tiny_config(tiny_sd3_dir, tmp_path / "cut", *over, "train.epochs=1", "checkpoint_every=1"))
+    cut.train()
+    resumed = Trainer(tiny_config(tiny_sd3_dir, tmp_path / "cut", *over, "train.epochs=3", "checkpoint_every=1",
+                                  "resume=auto"))
+    resumed.train()
+    keys = ["train/policy_loss", "train/ema_kl", "train/awm_ema_decay", "reward/mean"]
+    assert [[h[k] for k in keys] for h in resumed.history] == [[h[k] for k in keys] for h in full.history]
+
+
 def test_the_time_weighting_is_validated_before_the_model_loads(tmp_path):
     from flowalign.errors import ConfigError
 
@@ -119,3 +154,5 @@ def test_the_time_weighting_is_validated_before_the_model_loads(tmp_path):
     with pytest.raises(ConfigError, match="train.awm_ghuber_power"):
         Trainer(tiny_config(tmp_path / "no-model-here", tmp_path, *AWM, "train.awm_loss=ghuber",
                             "train.awm_ghuber_power=0"))
+    with pytest.raises(ConfigError, match="train.awm_ema_decay"):
+        Trainer(tiny_config(tmp_path / "no-model-here", tmp_path, *AWM, "train.awm_ema_decay=1"))

@@ -39,8 +39,9 @@ setting is awm_loss: ghuber, awm_time_weighting: sigma.
 (iv) reference KL: β·mean‖v_θ − v_ref‖² to the LoRA-disabled model (its 'Uniform' kl_weight), β =
 0.001 (GenEval, after its last commit), 0.003 (OCR), 1e-4 (PickScore); ``train.kl_beta`` here (our
 shapes recipe keeps 0, as every shapes recipe). Its configs add a second such term with weight
-ema_beta = 1 toward an EMA copy of the policy updated once per epoch with decay min(0.3, 0.001·step);
-NOT implemented here.
+ema_beta = 1 toward an EMA copy of the policy (a second LoRA) updated once per epoch with decay
+min(0.3, 0.001·optimizer steps): ``train.awm_ema_beta`` (default 0, off) and ``train.awm_ema_decay``
+(0.3), the copy kept by this objective and checkpointed.
 (v) timesteps: its configs train 6 of the sampler's discrete steps per sample, stratified over the
 first 90 % and (GenEval, OCR) skipping the first; we draw ``train.noise_draws`` distinct schedule
 steps per sample per update, uniformly, as DiffusionNFT.
@@ -75,6 +76,8 @@ def awm_loss(
     ghuber_power: float | None = None,
     v_ref: torch.Tensor | None = None,
     kl_beta: float = 0.0,
+    v_ema: torch.Tensor | None = None,
+    ema_beta: float = 0.0,
     weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The AWM loss L of one noising draw for a minibatch.
@@ -83,8 +86,10 @@ def awm_loss(
     w(σ) (1 when None); ghuber_power: p of ρ = ``ghuber`` (ρ(m) = m when None); weight: [B] in
     {0, 1}, the samples that train (all when None). The flow-matching error m is the mean over all
     non-batch elements; the loss is the weighted mean over samples of A·w·ρ(m), plus
-    kl_beta·mean‖v_θ − v_ref‖² (needs v_ref when kl_beta > 0).
-    Returns (loss scalar, stats: policy_loss, kl, awm_fm (the unweighted flow-matching error m)).
+    kl_beta·mean‖v_θ − v_ref‖² (needs v_ref when kl_beta > 0) and ema_beta·mean‖v_θ − v_ema‖² (v_ema
+    [B, ...], the EMA policy's velocity; needed when ema_beta > 0).
+    Returns (loss scalar, stats: policy_loss, kl, awm_fm (the unweighted flow-matching error m), and
+    ema_kl when ema_beta > 0).
     """
     weight = torch.ones_like(advantages, dtype=torch.float32) if weight is None else weight.float()
     denom = weight.sum().clamp(min=1.0)
@@ -101,12 +106,19 @@ def awm_loss(
         loss = loss + kl_beta * kl
     with torch.no_grad():
         stats = {"policy_loss": policy_loss.detach(), "kl": kl.detach(), "awm_fm": (fm * weight).sum() / denom}
+    if ema_beta > 0:
+        if v_ema is None:
+            raise ValueError("ema_beta > 0 needs v_ema")
+        ema_kl = (((v_theta.float() - v_ema.detach().float()) ** 2).flatten(1).mean(1) * weight).sum() / denom
+        loss = loss + ema_beta * ema_kl
+        stats["ema_kl"] = ema_kl.detach()
     return loss, stats
 
 
 # -- the objective (flowalign/objectives/base.py) ------------------------------------------------
 from dataclasses import dataclass  # noqa: E402
 
+from flowalign.ema import EMA  # noqa: E402
 from flowalign.objectives.base import register  # noqa: E402
 from flowalign.objectives.forward_process import ForwardProcessObjective, NoisingOptions  # noqa: E402
 
@@ -127,18 +139,33 @@ class AWMOptions:
     awm_loss: str = "mse"
     # p of awm_loss: ghuber (read only then): the authors' configs use 0.25; 1 is the MSE.
     awm_ghuber_power: float = 0.25
+    # Weight of the authors' second KL, mean‖v_θ − v_ema‖² toward an EMA copy of the policy (their
+    # SD3.5 configs: 1.0); 0 = off. The EMA is checkpointed and updated once per epoch.
+    awm_ema_beta: float = 0.0
+    # Cap of that EMA's decay; the decay used at an epoch's end is min(cap, 0.001·optimizer steps so
+    # far), the authors' linear ramp (their configs: 0.3).
+    awm_ema_decay: float = 0.3
 
 
 @register
 class AWM(ForwardProcessObjective):
     """AWM: ODE rollouts by the current weights; ``train.noise_draws`` noising draws per sample
     and minibatch (one loss term each), each sample's flow-matching loss weighted by its
-    advantage; a velocity KL to the reference when ``train.kl_beta`` > 0."""
+    advantage; a velocity KL to the reference when ``train.kl_beta`` > 0, and one to an EMA of the
+    policy (kept, checkpointed, averaged at each epoch's end) when ``train.awm_ema_beta`` > 0."""
 
     name = "awm"
     rollout = "ode"
     predictions = ("velocity",)
     options = (NoisingOptions, AWMOptions)
+    EMA_RAMP = 0.001  # the authors' decay ramp per optimizer step
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        # the second KL's target: a copy of the weights, averaged once per epoch (train.awm_ema_beta > 0)
+        self.ema = EMA(ctx.params, 0.0) if self.config.train.awm_ema_beta > 0 else None
+        self.stateful = self.ema is not None
+        self.steps = 0  # optimizer steps so far (minibatches whose last loss term was computed)
 
     @classmethod
     def validate(cls, config) -> list[tuple[str, bool, str]]:
@@ -148,6 +175,8 @@ class AWM(ForwardProcessObjective):
              f"must be one of {', '.join(AWM_TIME_WEIGHTINGS)}, got {t.awm_time_weighting!r}"),
             ("train.awm_loss", t.awm_loss in AWM_LOSSES, f"must be one of {', '.join(AWM_LOSSES)}, got {t.awm_loss!r}"),
             ("train.awm_ghuber_power", t.awm_ghuber_power > 0, f"must be > 0, got {t.awm_ghuber_power}"),
+            ("train.awm_ema_beta", t.awm_ema_beta >= 0, f"must be ≥ 0, got {t.awm_ema_beta}"),
+            ("train.awm_ema_decay", 0 <= t.awm_ema_decay < 1, f"must be in [0, 1), got {t.awm_ema_decay}"),
         ]
 
     def loss(self, batch, idx, j, adv, valid):
@@ -155,14 +184,33 @@ class AWM(ForwardProcessObjective):
         ctx, t = self.ctx, self.config.train
         sub, adv, weight = batch.traj[idx], adv[idx], valid[idx]
         x0, x_t, sigma, timestep, eps = self.noised(sub, idx, j)
-        v_ref = None
+        v_ref = v_ema = None
         if t.kl_beta > 0:
             with torch.no_grad(), ctx.adapter.reference():
                 v_ref = ctx.adapter.predict(x_t, timestep, sub.cond, 1.0, model=ctx.reference_model)
+        if self.ema is not None:  # before θ's forward: swapping weights in later would break its graph
+            with torch.no_grad(), self.ema.swapped_in():
+                v_ema = ctx.adapter.predict(x_t, timestep, sub.cond, 1.0, model=ctx.model)
+        if j == t.noise_draws - 1:
+            self.steps += 1
         v_theta = ctx.adapter.predict(x_t, timestep, sub.cond, 1.0, model=ctx.model)
         if adv.ndim == 2:  # one column per reward: the weighted sum
             adv = adv @ ctx.reward_weights.to(adv)
         time_weight = sigma.float() if t.awm_time_weighting == "sigma" else None
         power = t.awm_ghuber_power if t.awm_loss == "ghuber" else None
         return awm_loss(v_theta, eps - x0, adv, time_weight=time_weight, ghuber_power=power, v_ref=v_ref,
-                        kl_beta=t.kl_beta, weight=weight)
+                        kl_beta=t.kl_beta, v_ema=v_ema, ema_beta=t.awm_ema_beta, weight=weight)
+
+    def end_epoch(self, batch, epoch: int) -> dict[str, float]:
+        if self.ema is None:
+            return {}
+        self.ema.decay = min(self.config.train.awm_ema_decay, self.EMA_RAMP * self.steps)
+        self.ema.update()
+        return {"train/awm_ema_decay": self.ema.decay}
+
+    def state_dict(self) -> dict:
+        return {**self.ema.state_dict(), "steps": torch.tensor(self.steps)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ema.load_state_dict(state)
+        self.steps = int(state["steps"])
