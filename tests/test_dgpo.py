@@ -42,6 +42,22 @@ def test_hand_computed_group_margin():
     assert stats["dgpo_accuracy"].item() == 1.0
 
 
+def test_the_kl_enters_at_beta_times_kl_beta_so_the_total_is_beta_times_the_authors_loss():
+    """Their loss: surrogate + β_kl·mean‖v_θ − v_ref‖²; ours: L + β·kl_beta·KL, i.e. β times theirs."""
+    mse_theta = torch.tensor([[0.2, 0.5]], requires_grad=True)
+    mse_ref = torch.tensor([[0.3, 0.3]])
+    kl = torch.tensor([[0.04, 0.16]], requires_grad=True)
+    loss, stats = dgpo_loss(mse_theta, mse_ref, torch.tensor([[1.0, -1.0]]), beta=10.0, kl=kl, kl_beta=0.02,
+                            weight=torch.tensor([[1.0, 1.0]]))
+    margin = (1.0 * -10.0 * (0.2 - 0.3) - 1.0 * -10.0 * (0.5 - 0.3)) / 2  # = 1.5
+    assert stats["kl"].item() == pytest.approx(0.1)
+    assert loss.item() == pytest.approx(-F.logsigmoid(torch.tensor(margin)).item() + 10.0 * 0.02 * 0.1, rel=1e-6)
+    (g_kl,) = torch.autograd.grad(loss, kl)
+    assert torch.allclose(g_kl, torch.tensor([[0.1, 0.1]]))  # β·kl_beta / 2 samples
+    with pytest.raises(ValueError, match="kl"):
+        dgpo_loss(mse_theta, mse_ref, torch.tensor([[1.0, -1.0]]), beta=10.0, kl_beta=0.02)
+
+
 def test_the_gradient_is_beta_times_the_authors_surrogate():
     """The authors' code (written here independently from its description) back-propagates
     mean_i σ(Σ_group A·β·Δmse / k)·A_i·mse_θ,i with the sigmoid detached; ours is −log σ of the group
@@ -80,9 +96,11 @@ def test_the_gradient_lowers_the_error_of_good_samples_and_raises_that_of_bad_on
 
 
 def test_dgpo_trains_whole_groups_through_the_trainer(tiny_sd3_dir, tmp_path):
-    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, *DGPO, "train.train_batch_size=4"))
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, *DGPO, "train.train_batch_size=4", "train.kl_beta=0.01"))
     assert trainer.objective.unit == 4
     trainer.train()
+    assert 0 <= trainer.history[0]["train/kl"] < 1e-5  # the first step is at the reference, the second one step off
+    assert trainer.history[1]["train/kl"] > trainer.history[0]["train/kl"]
     assert all(h["train/grad_norm"] > 0 for h in trainer.history)
     # the first update starts at the reference (LoRA initialised to zero): every margin is 0, loss log 2
     assert trainer.history[0]["train/policy_loss"] == pytest.approx(0.6931, abs=2e-3)

@@ -30,8 +30,10 @@ Term by term against the authors' code, and what we do:
 margin k times sharper at the same β (the old numbers are reproduced by dgpo_beta × k).
 (ii) loss scale: their code back-propagates σ(βΣAΔ/k)·A·mse_θ with the sigmoid factor detached,
 averaged over samples; that is the gradient of L above divided by β. We take L itself (the
-objective the paper states; the constant only matters for gradient clipping and for the balance
-with the KL: their β_kl = 1e-3 at β_dpo = 100 corresponds to kl_beta = 0.1 here).
+objective the paper states; the constant matters only for gradient clipping and against the KL).
+(iii') KL: their total loss adds β_kl·mean_i ‖v_θ − v_ref‖² (their ``train.beta``: 1e-3 … 0.02) to
+that surrogate; here ``train.kl_beta`` enters as β·kl_beta·mean_i ‖v_θ − v_ref‖² (over the samples
+with a reward), so L + β·kl_beta·KL is β times their loss and a copied β_kl keeps their balance.
 (iii) noise: σ and ε shared by a group's k samples (their ``use_shared_noise``), as here.
 (iv) timesteps: their configs train ``num_train_timesteps`` = 4 levels drawn (the same for the whole
 batch) among the first ``trunc_steps`` + 1 of the 10-step schedule (4 → 5 levels, 6 → 7: the
@@ -40,7 +42,7 @@ to the first n levels the same way; we draw per group, not per batch.
 (v) reference: the adapter with its LoRA disabled (theirs: the same, with CFG on it optional).
 (vi) not implemented: their PPO-style clip of the matching loss against an EMA "old" policy
 (added after review, per their README), their EMA reference variant, their switch of rollouts to
-that EMA after 200–500 steps, the KL term with its clip, and their advantage clip at ±5 (ours: the
+that EMA after 200–500 steps, the clip on the KL, and their advantage clip at ±5 (ours: the
 advantages as configured).
 Further decision: samples with a NaN reward get weight 0 (their advantage is not used).
 """
@@ -57,21 +59,35 @@ def dgpo_loss(
     advantages: torch.Tensor,
     *,
     beta: float,
+    kl: torch.Tensor | None = None,
+    kl_beta: float = 0.0,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The DGPO loss L of a batch of groups.
+    """The DGPO loss L of a batch of groups, plus β·kl_beta times the velocity KL.
 
     mse_theta (with grad), mse_ref: [G, k] flow-matching errors of each sample under the policy and
-    the reference (same σ, ε within a group); advantages: [G, k] (0 for samples that do not train).
-    Returns (loss scalar = mean over groups of −log σ((1/k)·Σ_i A_i·s_i), s = −β·(mse_θ − mse_ref);
-    stats: policy_loss, dgpo_margin (mean R(G⁺) − R(G⁻)), dgpo_accuracy (fraction of groups whose
-    margin is > 0)).
+    the reference (same σ, ε within a group); advantages: [G, k] (0 for samples that do not train);
+    kl (with grad): [G, k] mean‖v_θ − v_ref‖² per sample (needed when kl_beta > 0); weight: [G, k] in
+    {0, 1}, the samples the KL averages over (all when None).
+    Returns (loss scalar = mean over groups of −log σ((1/k)·Σ_i A_i·s_i), s = −β·(mse_θ − mse_ref),
+    + β·kl_beta·(weighted mean of kl); stats: policy_loss, kl, dgpo_margin (mean R(G⁺) − R(G⁻)),
+    dgpo_accuracy (fraction of groups whose margin is > 0)).
     """
     scores = -beta * (mse_theta.float() - mse_ref.detach().float())  # [G, k]
     margin = (advantages.float() * scores).mean(1)  # R(G⁺) − R(G⁻) with w = |A|/k, [G]
     per_group = -F.logsigmoid(margin)
-    loss = per_group.mean()
+    policy_loss = per_group.mean()
+    loss = policy_loss
+    kl_mean = torch.zeros((), device=mse_theta.device)
+    if kl_beta > 0:
+        if kl is None:
+            raise ValueError("kl_beta > 0 needs kl")
+        w = torch.ones_like(kl) if weight is None else weight.float()
+        kl_mean = (kl.float() * w).sum() / w.sum().clamp(min=1.0)
+        # β·kl_beta: the authors' balance, whose DGPO gradient is ours / β (see the module docstring)
+        loss = loss + beta * kl_beta * kl_mean
     with torch.no_grad():
-        stats = {"policy_loss": loss.detach(), "dgpo_margin": margin.mean(),
+        stats = {"policy_loss": policy_loss.detach(), "kl": kl_mean.detach(), "dgpo_margin": margin.mean(),
                  "dgpo_accuracy": (margin > 0).float().mean()}
     return loss, stats
 
@@ -152,5 +168,7 @@ class DGPO(ForwardProcessObjective):
         if adv.ndim == 2:  # one column per reward: the weighted sum
             adv = adv @ ctx.reward_weights.to(adv)
         adv = torch.where(weight.bool(), adv, torch.zeros_like(adv))
+        kl = ((v_theta.float() - v_ref.float()) ** 2).flatten(1).mean(1) if t.kl_beta > 0 else None
         k = t.group_size
-        return dgpo_loss(mse_theta.view(-1, k), mse_ref.view(-1, k), adv.view(-1, k), beta=t.dgpo_beta)
+        return dgpo_loss(mse_theta.view(-1, k), mse_ref.view(-1, k), adv.view(-1, k), beta=t.dgpo_beta,
+                         kl=None if kl is None else kl.view(-1, k), kl_beta=t.kl_beta, weight=weight.view(-1, k))

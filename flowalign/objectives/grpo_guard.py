@@ -13,7 +13,7 @@ clip [1 − ε, 1 + ε] no longer bounds the over-confident positive updates. GR
 
     (RatioNorm)   log r̃ = s·(log r + ‖Δμ‖² / (2s²)) = s·log r + ‖Δμ‖² / (2s)   (= ⟨Δμ, z⟩: mean 0, spread ‖Δμ‖)
     (reweighting) L_t   = (1 / |dt|) · mean_i max(−A_i·r̃_i, −A_i·clip(r̃_i, 1 − ε, 1 + ε))
-    L     = Σ_t L_t + β·KL_t                                  (KL as Flow-GRPO's, not reweighted)
+    per step: L_t + β·KL_t, accumulated over the trained steps      (KL as Flow-GRPO's, not reweighted)
 
 Why the 1/|dt|: on-policy ∇_θ log r̃ = ⟨z, ∇_θ μ_θ⟩, and μ_θ moves with the velocity by
 ∂μ/∂v = dt·(1 + σ_t²(1 − σ)/(2σ)) (= dt·(1 + η²/2) for Flow-GRPO's σ_t), so without it a step's
@@ -27,7 +27,10 @@ abstract), so none are cited. The forms above are the ones two public ports agre
 copied: verl-omni's ``GRPOGuardLoss`` (ratio exp((log r + ‖Δμ‖²_mean/(2s²))·s), the per-step loss
 divided by sqrt(−dt)²) and Flow-Factory's ``GRPOGuardTrainer`` (the same ratio, without the 1/|dt|);
 a published summary of the CVPR 2026 version names the two parts "RatioNorm … mean of 1" and "1/dt
-gradient reweighting". ``grpo_guard_loss`` implements L_t; ``ratio_norm`` implements log r̃.
+gradient reweighting". (Another summary describes RatioNorm as standardising each step's ratios by
+their batch mean and std; no port does that, and the closed form above is what removes the bias and
+the 1/s, for every sample alone.) ``grpo_guard_loss`` implements L_t + β·KL_t; ``ratio_norm``
+implements log r̃.
 Before this revision the 1/|dt| was missing (the docstring took RatioNorm's factor s for the
 reweighting); ``train.guard_step_weight: none`` keeps that form.
 
