@@ -10,6 +10,7 @@ sample, for a noising draw (σ, ε) (``../shared/METHODS.md`` notation):
     m_θ(x) = mean‖v_θ(x_σ, σ) − v‖²                                  (the pre-training error)
     ℓ_θ(x) = w(σ)·ρ(m_θ(x))                                          (ρ(m) = m: the pre-training loss)
     L      = mean_i A_i·ℓ_θ(x_i)  +  β·mean_i mean‖v_θ − v_ref‖²       (the AWM objective)
+             [+ β_ema·mean_i mean‖v_θ − v_ema‖²: the authors' second KL, (iv) below; off by default]
 
 ℓ_θ is, up to constants, −log p_θ(x0) through the flow-matching ELBO, so L is the policy gradient
 E[A·∇log p_θ(x0)] with the ELBO in place of the log-likelihood. A positive advantage pulls v_θ toward
