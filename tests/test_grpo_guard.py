@@ -7,7 +7,7 @@ import torch
 
 from flowalign.objectives.flow_grpo import flow_grpo_loss
 from flowalign.objectives.grpo_guard import grpo_guard_loss, ratio_norm
-from flowalign.samplers.flow_sde import flow_grpo_sde_step, gaussian_log_prob
+from flowalign.samplers.flow_sde import dance_grpo_sde_step, flow_grpo_sde_step, gaussian_log_prob
 from flowalign.trainer import Trainer
 from test_trainer import tiny_config
 
@@ -70,15 +70,15 @@ def test_ratio_norm_removes_the_negative_bias_and_the_noise_level_dependence():
         assert normed.std().item() == pytest.approx(norm2.sqrt().item(), rel=0.05)
 
 
-def _velocity_grad(sigma, sigma_next, eta, z, adv, step_weight, kl_beta=0.0):
-    """∂L/∂v of GRPO-Guard's loss on one real Flow-GRPO SDE step, on-policy (v = v_old), the rollout's
+def _velocity_grad(sigma, sigma_next, eta, z, adv, step_weight, kl_beta=0.0, step=flow_grpo_sde_step):
+    """∂L/∂v of GRPO-Guard's loss on one real SDE step, on-policy (v = v_old), the rollout's
     x' = μ_old + std·z; with a reference velocity 0.1 away when kl_beta > 0."""
     g = torch.Generator().manual_seed(3)
     x, v_old = torch.randn(*z.shape, generator=g), torch.randn(*z.shape, generator=g)
-    old = flow_grpo_sde_step(v_old, x, sigma, sigma_next, eta, noise=z)
+    old = step(v_old, x, sigma, sigma_next, eta, noise=z)
     v = v_old.clone().requires_grad_(True)
-    new = flow_grpo_sde_step(v, x, sigma, sigma_next, eta, prev_sample=old.prev_sample)
-    ref = flow_grpo_sde_step(v_old + 0.1, x, sigma, sigma_next, eta, prev_sample=old.prev_sample)
+    new = step(v, x, sigma, sigma_next, eta, prev_sample=old.prev_sample)
+    ref = step(v_old + 0.1, x, sigma, sigma_next, eta, prev_sample=old.prev_sample)
     loss, stats = grpo_guard_loss(new.log_prob, old.log_prob, adv, mean=new.mean, old_mean=old.mean, std=new.std,
                                   clip_range=0.2, step_weight=step_weight, beta=kl_beta, ref_mean=ref.mean)
     (grad,) = torch.autograd.grad(loss, v)
@@ -98,6 +98,16 @@ def test_the_inverse_dt_reweighting_gives_every_step_the_same_velocity_gradient_
         assert torch.allclose(grad, by_hand, rtol=1e-4, atol=1e-7)
         plain, _ = _velocity_grad(sigma, sigma_next, eta, z, adv, step_weight=1.0)
         assert torch.allclose(plain, abs(dt) * by_hand, rtol=1e-4, atol=1e-8)
+
+
+def test_with_dance_grpo_s_sde_the_reweighted_gradient_is_its_drift_factor_times_z():
+    """DanceGRPO's μ = x + v·dt − ½η²·score·dt, score = −(x − (1 − σ)·x̂0)/σ²: ∂μ/∂v = dt·(1 + η²(1 − σ)/(2σ)),
+    so with 1/|dt| the on-policy ∂L/∂v is A·(1 + η²(1 − σ)/(2σ))·z/N, free of the step size."""
+    z = torch.randn(1, 2, 3, generator=torch.Generator().manual_seed(4))
+    adv, eta = torch.tensor([2.0]), 0.3
+    for sigma, sigma_next in ((0.8, 0.5), (0.4, 0.38)):
+        grad, _ = _velocity_grad(sigma, sigma_next, eta, z, adv, 1 / (sigma - sigma_next), step=dance_grpo_sde_step)
+        assert torch.allclose(grad, 2.0 * (1 + eta**2 * (1 - sigma) / (2 * sigma)) * z / 6, rtol=1e-4, atol=1e-7)
 
 
 def test_the_reweighting_scales_the_policy_term_and_not_the_kl():
