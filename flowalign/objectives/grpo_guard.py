@@ -13,7 +13,8 @@ clip [1 − ε, 1 + ε] no longer bounds the over-confident positive updates. GR
 
     (RatioNorm)   log r̃ = s·(log r + ‖Δμ‖² / (2s²)) = s·log r + ‖Δμ‖² / (2s)   (= ⟨Δμ, z⟩: mean 0, spread ‖Δμ‖)
     (reweighting) L_t   = (1 / |dt|) · mean_i max(−A_i·r̃_i, −A_i·clip(r̃_i, 1 − ε, 1 + ε))
-    per step: L_t + β·KL_t, accumulated over the trained steps      (KL as Flow-GRPO's, not reweighted)
+    per step: L_t + β·KL_t, accumulated over the trained steps      (KL as Flow-GRPO's, "exact"
+                                                                     convention, not reweighted)
 
 Why the 1/|dt|: on-policy ∇_θ log r̃ = ⟨z, ∇_θ μ_θ⟩, and μ_θ moves with the velocity by
 ∂μ/∂v = dt·(1 + σ_t²(1 − σ)/(2σ)) (= dt·(1 + η²/2) for Flow-GRPO's σ_t), so without it a step's
@@ -41,9 +42,10 @@ rollout policy's transition mean, which the rollout does not store: this objecti
 the weights that sampled the epoch (an EMA of decay 0, updated at the end of each epoch and swapped
 in for sampling, so it is exactly the rollout policy) and recomputes μ_old with it, one extra forward
 per trained step (Flow-Factory stores μ_old at sampling time instead; the value is the same).
-(iii) the flow SDE and DanceGRPO's SDE only (θ-independent std s = coefficient·sqrt(|dt|) with a
-Gaussian log-density); CPS drops the variance from its log-prob and the per-element EXPLORENET std
-is not a scalar s, so both are rejected. (iv) |dt| = σ − σ' of the sampling schedule, one value per
+(iii) the flow SDE and DanceGRPO's SDE (with or without its score term) only: θ-independent std
+s = coefficient·sqrt(|dt|) with a Gaussian log-density, and ∂μ/∂v ∝ dt (dance_grpo_euler: exactly
+dt); CPS drops the variance from its log-prob and the per-element EXPLORENET std is not a scalar s,
+so both are rejected. (iv) |dt| = σ − σ' of the sampling schedule, one value per
 step (shared by the batch).
 """
 
