@@ -1,37 +1,52 @@
-"""GRPO-Guard (arXiv 2510.22319): Flow-GRPO's clipped objective with a regulated ratio.
+"""GRPO-Guard (Wang et al., arXiv 2510.22319): Flow-GRPO's clipped objective with a regulated ratio
+and a per-step gradient reweighting.
 
 The paper's finding: under the flow SDE a step's transition is Gaussian with a std s = σ_t·sqrt(|dt|)
 that does not depend on θ, so with Δμ = μ_θ − μ_old and the rollout's draw x' = μ_old + s·z
 
     log r = log p_θ(x') − log p_old(x') = −‖Δμ‖² / (2s²) + ⟨Δμ, z⟩ / s
 
-(sum over elements; ``../shared/METHODS.md`` §1 for μ and s). Its mean −‖Δμ‖²/(2s²) is below 0
-(the ratio's mean falls below 1 once the policy moves) and its spread ‖Δμ‖/s grows as s shrinks,
-so steps at different noise levels see differently skewed ratios: PPO's clip [1 − ε, 1 + ε] no
-longer bounds the over-confident positive updates, and the low-noise steps dominate the gradient.
-GRPO-Guard regulates the ratio per step (RatioNorm) and thereby reweights the gradient across
-noise levels:
+(reduced over elements like the log-probs; ``../shared/METHODS.md`` §1 for μ and s). Its mean
+−‖Δμ‖²/(2s²) is below 0 (the ratio's mean falls below 1 once the policy moves) and its spread
+‖Δμ‖/s grows as s shrinks, so steps at different noise levels see differently skewed ratios: PPO's
+clip [1 − ε, 1 + ε] no longer bounds the over-confident positive updates. GRPO-Guard's two parts:
 
-    log r̃ = s·(log r + ‖Δμ‖² / (2s²)) = s·log r + ‖Δμ‖² / (2s)   (= ⟨Δμ, z⟩: mean 0, spread ‖Δμ‖)
-    L     = Flow-GRPO's loss with r̃ in place of r:
-            mean_i max(−A_i·r̃_i, −A_i·clip(r̃_i, 1 − ε, 1 + ε)) + β·KL
+    (RatioNorm)   log r̃ = s·(log r + ‖Δμ‖² / (2s²)) = s·log r + ‖Δμ‖² / (2s)   (= ⟨Δμ, z⟩: mean 0, spread ‖Δμ‖)
+    (reweighting) L_t   = (1 / |dt|) · mean_i max(−A_i·r̃_i, −A_i·clip(r̃_i, 1 − ε, 1 + ε))
+    per step: L_t + β·KL_t, accumulated over the trained steps      (KL as Flow-GRPO's, "exact"
+                                                                     convention, not reweighted)
 
-Adding back the bias centres the ratio at 1 at every step; multiplying by s removes the 1/s that
-made the ratio's spread, and ∇ log r (∝ (x' − μ_θ)/s²), depend on the noise level, so every step's
-clip bounds a comparable change and contributes a comparably scaled gradient. With an already
-normalised ratio (bias 0, s = 1) the loss is Flow-GRPO's exactly; on-policy Δμ = 0 and r̃ = 1.
+Why the 1/|dt|: on-policy ∇_θ log r̃ = ⟨z, ∇_θ μ_θ⟩, and μ_θ moves with the velocity by
+∂μ/∂v = dt·(1 + σ_t²(1 − σ)/(2σ)) (= dt·(1 + η²/2) for Flow-GRPO's σ_t), so without it a step's
+gradient on v is proportional to its step size |dt|; with it every step gives v the same-sized
+push, ⟨z, (1 + η²/2)·∇_θ v⟩ (the paper's "gradient reweighting that equalizes policy gradients over
+noise conditions"). With an already normalised ratio (bias 0, s = 1) and |dt| = 1 (or the
+reweighting off) the loss is Flow-GRPO's exactly; on-policy Δμ = 0 and r̃ = 1.
 
-Decisions and what the paper leaves open (we could not check its equation numbers against its text,
-so none are cited): (i) the bias and the scale are applied in one expression, per sample and step,
-as in the public port we read (Flow-Factory's GRPOGuardTrainer, which also multiplies the log-ratio
-by σ_t·sqrt(|dt|) and adds ‖Δμ‖²/(2σ_t·sqrt(|dt|))); ‖Δμ‖² is reduced over elements like the
-log-probs (``sampling.log_prob_reduction``), so mean and sum reductions give the same r̃ up to the
-element count, as log r does. (ii) μ_old needs the rollout policy's transition mean, which the
-rollout does not store: this objective keeps a copy of the weights that sampled the epoch (an EMA
-of decay 0, updated at the end of each epoch and swapped in for sampling, so it is exactly the
-rollout policy) and recomputes μ_old with it, one extra forward per trained step. (iii) the flow
-SDE and DanceGRPO's SDE only (θ-independent std with a Gaussian log-density); CPS drops the
-variance from its log-prob and the per-element EXPLORENET std is not a scalar s, so both are rejected.
+Equation numbers: we could not read the paper's text (the stored arXiv page returned only its
+abstract), so none are cited. The forms above are the ones two public ports agree on, read, not
+copied: verl-omni's ``GRPOGuardLoss`` (ratio exp((log r + ‖Δμ‖²_mean/(2s²))·s), the per-step loss
+divided by sqrt(−dt)²) and Flow-Factory's ``GRPOGuardTrainer`` (the same ratio, without the 1/|dt|);
+a published summary of the CVPR 2026 version names the two parts "RatioNorm … mean of 1" and "1/dt
+gradient reweighting". (Another summary describes RatioNorm as standardising each step's ratios by
+their batch mean and std; no port does that, and the closed form above is what removes the bias and
+the 1/s, for every sample alone.) ``grpo_guard_loss`` implements L_t + β·KL_t; ``ratio_norm``
+implements log r̃.
+Before this revision the 1/|dt| was missing (the docstring took RatioNorm's factor s for the
+reweighting); ``train.guard_step_weight: none`` keeps that form.
+
+Decisions and what the paper leaves open: (i) ‖Δμ‖² is reduced over elements like the log-probs
+(``sampling.log_prob_reduction``), so mean and sum reductions give the same r̃ up to the element
+count, as log r does (both ports use the mean, as Flow-GRPO's log-prob). (ii) μ_old needs the
+rollout policy's transition mean, which the rollout does not store: this objective keeps a copy of
+the weights that sampled the epoch (an EMA of decay 0, updated at the end of each epoch and swapped
+in for sampling, so it is exactly the rollout policy) and recomputes μ_old with it, one extra forward
+per trained step (Flow-Factory stores μ_old at sampling time instead; the value is the same).
+(iii) the flow SDE and DanceGRPO's SDE (with or without its score term) only: θ-independent std
+s = coefficient·sqrt(|dt|) with a Gaussian log-density, and ∂μ/∂v ∝ dt (dance_grpo_euler: exactly
+dt); CPS drops the variance from its log-prob and the per-element EXPLORENET std is not a scalar s,
+so both are rejected. (iv) |dt| = σ − σ' of the sampling schedule, one value per
+step (shared by the batch).
 """
 
 from __future__ import annotations
@@ -59,24 +74,36 @@ def grpo_guard_loss(
     old_mean: torch.Tensor,
     std: torch.Tensor,
     clip_range: float,
+    step_weight: float = 1.0,
     reduction: str = "mean",
+    beta: float = 0.0,
     **flow_grpo_kwargs,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The GRPO-Guard loss of one step for a minibatch: Flow-GRPO's loss (``flow_grpo_loss``, whose
-    remaining keywords pass through: beta, ref_mean, weight, advantage_weights) on the RatioNorm'd ratio.
+    """The GRPO-Guard loss L_t of one step for a minibatch: ``step_weight`` (the reweighting, 1/|dt|)
+    times Flow-GRPO's policy term (``flow_grpo_loss``) on the RatioNorm'd ratio, plus β times
+    Flow-GRPO's KL (not reweighted). Remaining keywords pass through: ref_mean, weight, advantage_weights.
 
     log_prob (with grad), old_log_prob: [B]; advantages: [B] or [B, C]; mean (with grad), old_mean:
     [B, ...] the step's transition means under θ and the rollout policy; std: the transition std,
-    broadcastable to mean, one value per sample. Returns (loss scalar, stats: Flow-GRPO's, with
-    ``ratio`` / ``clipfrac`` of r̃, plus raw_ratio, the unnormalised ratio's mean).
+    broadcastable to mean, one value per sample; step_weight: a scalar. Returns (loss scalar, stats:
+    Flow-GRPO's, with ``ratio`` / ``clipfrac`` of r̃ and ``policy_loss`` the reweighted policy term,
+    plus raw_ratio, the unnormalised ratio's mean).
     """
     scale = std.float().expand_as(mean).reshape(mean.shape[0], -1)[:, 0]  # [B]: one std per sample
     shift = reduce_elements((mean.float() - old_mean.detach().float()) ** 2, reduction)
     log_ratio = log_prob - old_log_prob
     normed = ratio_norm(log_ratio, shift, scale)
-    loss, stats = flow_grpo_loss(old_log_prob + normed, old_log_prob, advantages, clip_range=clip_range, mean=mean,
-                                 std=std, reduction=reduction, **flow_grpo_kwargs)
+    common = dict(clip_range=clip_range, mean=mean, std=std, reduction=reduction, **flow_grpo_kwargs)
+    # Flow-GRPO's loss twice: its policy term alone (β = 0), which the reweighting scales, and with
+    # its KL; the KL is their difference, kept at its Flow-GRPO strength.
+    policy, stats = flow_grpo_loss(old_log_prob + normed, old_log_prob, advantages, **common)
+    loss = step_weight * policy
+    if beta > 0:
+        with_kl, kl_stats = flow_grpo_loss(old_log_prob + normed, old_log_prob, advantages, beta=beta, **common)
+        loss = loss + (with_kl - policy)
+        stats["kl"] = kl_stats["kl"]
     with torch.no_grad():
+        stats["policy_loss"] = step_weight * stats["policy_loss"]
         w = flow_grpo_kwargs.get("weight")
         w = torch.ones_like(log_ratio) if w is None else w.float()
         stats["raw_ratio"] = (torch.exp(log_ratio) * w).sum() / w.sum().clamp(min=1.0)
@@ -84,12 +111,26 @@ def grpo_guard_loss(
 
 
 # -- the objective (flowalign/objectives/base.py) ------------------------------------------------
+from dataclasses import dataclass  # noqa: E402
+
 from flowalign.ema import EMA  # noqa: E402
 from flowalign.objectives.base import register  # noqa: E402
 from flowalign.objectives.flow_grpo import FlowGRPO  # noqa: E402
 from flowalign.rollout import transition  # noqa: E402
 
 GUARD_SDES = ("flow_grpo", "dance_grpo", "dance_grpo_euler")
+GUARD_STEP_WEIGHTS = ("inverse_dt", "none")
+
+
+@dataclass
+class GRPOGuardOptions:
+    """``train.*`` options of method grpo_guard."""
+
+    # The paper's gradient reweighting of each trained step's policy loss: "inverse_dt" multiplies it
+    # by 1/(σ − σ') of the step, so every step moves the velocity by a comparable amount
+    # (verl-omni's port: loss / sqrt(−dt)²); "none" leaves RatioNorm alone (Flow-Factory's port, and
+    # this objective before the reweighting was added).
+    guard_step_weight: str = "inverse_dt"
 
 
 @register
@@ -101,6 +142,7 @@ class GRPOGuard(FlowGRPO):
     rollout = "sde"
     predictions = ("velocity",)
     stateful = True
+    options = (*FlowGRPO.options, GRPOGuardOptions)
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -114,6 +156,8 @@ class GRPOGuard(FlowGRPO):
              f"the model; cps drops the variance from its log-prob), got {config.sampling.sde!r}"),
             ("train.kl_convention", config.train.kl_convention == "exact",
              "must be exact for grpo_guard (its KL divides by the transition std that RatioNorm uses)"),
+            ("train.guard_step_weight", config.train.guard_step_weight in GUARD_STEP_WEIGHTS,
+             f"must be one of {', '.join(GUARD_STEP_WEIGHTS)}, got {config.train.guard_step_weight!r}"),
         ]
 
     def sampling_weights(self):
@@ -138,8 +182,12 @@ class GRPOGuard(FlowGRPO):
                     ref_mean = transition(*args, **kwargs, model=ctx.reference_model).mean
         out = transition(*args, **kwargs, model=ctx.model)
         adv = adv[idx]
+        step_weight = 1.0
+        if t.guard_step_weight == "inverse_dt":
+            step_weight = 1.0 / float(sub.schedule.sigmas[j] - sub.schedule.sigmas[j + 1])  # 1/|dt|
         return grpo_guard_loss(out.log_prob, sub.log_probs[:, j], adv, mean=out.mean, old_mean=old_mean, std=out.std,
-                               clip_range=t.clip_range, reduction=s.log_prob_reduction, beta=t.kl_beta,
+                               clip_range=t.clip_range, step_weight=step_weight, reduction=s.log_prob_reduction,
+                               beta=t.kl_beta,
                                ref_mean=ref_mean, weight=weight,
                                advantage_weights=ctx.reward_weights if adv.ndim == 2 else None)
 
