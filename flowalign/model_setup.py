@@ -48,12 +48,13 @@ def build_model(config: RunConfig, accelerator, objective_cls, adapter=None) -> 
     encode = PromptEmbeddingCache(adapter, m.prompt_cache_size, offload=m.offload_text_encoders) \
         if m.prompt_cache_size else adapter.encode
     set_tf32(t.allow_tf32, accelerator.device)
-    if m.init_lora:
-        init_lora(adapter, m.init_lora, source_of(config, "model.init_lora"))
-    elif m.lora_rank > 0:
+    if m.lora_rank > 0:
         with torch.random.fork_rng(devices=[]):  # the LoRA's random init is part of the run's seed
             torch.manual_seed(t.seed)
-            adapter.add_lora(m.lora_rank, m.lora_alpha, m.lora_targets)
+            if m.init_lora:  # its random init is overwritten, but drawn here all the same
+                init_lora(adapter, m.init_lora, source_of(config, "model.init_lora"))
+            else:
+                adapter.add_lora(m.lora_rank, m.lora_alpha, m.lora_targets)
     else:
         adapter.enable_full_finetune(keep_reference=t.kl_beta > 0)
     if m.gradient_checkpointing:
