@@ -223,7 +223,7 @@ def launch(name: str, root: Path, timeout: float) -> dict:
     out = root / f"launch-{name}"
     common = ["tracker=none", "train.groups_per_epoch=2", "train.group_size=4", "train.sample_batch_size=8",
               "train.train_batch_size=8", "sampling.num_steps=4", "eval.every=0", "eval.seeds=1",
-              "checkpoint_every=1", f"train.mixed_precision={precision_}", f"output_dir={out}"]
+              "checkpoint_every=1", "train.ema_decay=0", f"train.mixed_precision={precision_}", f"output_dir={out}"]
     if name.startswith("deepspeed"):
         common.append("model.lora_rank=0")  # ZeRO-2 is for full fine-tuning (its launch file says so)
     row = {}
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=None, help="write the JSON here (rewritten after every section)")
     parser.add_argument("--cpu-subset", action="store_true", help="the CPU subset (automatic without CUDA)")
     parser.add_argument("--sections", default="environment,precision,attention,checkpointing,launch,rollout_overhead")
-    parser.add_argument("--launch-timeout", type=float, default=150, help="seconds per accelerate launch")
+    parser.add_argument("--launch-timeout", type=float, default=120, help="seconds per accelerate launch (4 launches)")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.cpu_subset
     if not cuda:
