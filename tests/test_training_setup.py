@@ -119,6 +119,12 @@ def test_adamw8bit_full_fine_tuning_step(tiny_sd3_dir, tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before)
     states = [s for s in trainer.optimizer.optimizer.state.values() if "state1" in s]
     assert any(s["state1"].dtype == torch.uint8 for s in states)  # the big matrices' moments are 8-bit
+    resumed = Trainer(tiny_config(tiny_sd3_dir, tmp_path, "model.lora_rank=0", "train.optimizer=adamw8bit",
+                                  "train.epochs=2", "resume=auto"))  # its 8-bit state saved and read back
+    resumed.train()
+    assert resumed.epoch == 2 and resumed.history[0] == trainer.history[0]  # epoch 1 restored, epoch 2 trained
+    moments = {id(p): s for p, s in resumed.optimizer.optimizer.state.items()}
+    assert any(s.get("state1") is not None and s["state1"].dtype == torch.uint8 for s in moments.values())
 
 
 def test_tf32_is_set_on_cuda_and_a_logged_no_op_elsewhere(caplog):
