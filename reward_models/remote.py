@@ -266,6 +266,9 @@ def make_server(reward: Reward, name: str, host: str = "127.0.0.1", port: int = 
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # an answer goes out as two writes (headers, body): with Nagle's algorithm on, the second waits
+        # for the client's delayed ACK of the first (~40 ms) on a kept-alive connection
+        disable_nagle_algorithm = True
         timeout = idle_timeout_s  # per socket read: an idle or stalled connection is closed, its thread ends
 
         def log_message(self, fmt, *args):  # quiet by default; errors are answered, not printed

@@ -133,6 +133,19 @@ def compare_formats(url: str, formats: list[str], size: int, batch_size: int, re
     return out
 
 
+def write_merged(path: str, result: dict) -> None:
+    """Replace ``result``'s keys in the JSON at ``path``, keeping the others (the load test and the
+    format comparison are run separately and share one file)."""
+    try:
+        with open(path) as f:
+            whole = json.load(f)
+    except FileNotFoundError:
+        whole = {}
+    whole.update(result)
+    with open(path, "w") as f:
+        json.dump(whole, f, indent=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reward", default="shapes")
@@ -156,19 +169,13 @@ def main() -> None:
             proc.wait()
         result.update(reward=args.reward, command=" ".join(["python", *sys.argv]))
         if args.out:
-            try:
-                with open(args.out) as f:
-                    whole = json.load(f)
-            except FileNotFoundError:
-                whole = {}
-            whole["formats"] = result
-            with open(args.out, "w") as f:
-                json.dump(whole, f, indent=2)
+            write_merged(args.out, {"formats": result})
         return
     proc = start_server(args.reward, args.port)
-    result = {"reward": args.reward, "load": []}
+    result = {"reward": args.reward, "load": [], "command": " ".join(["python", *sys.argv])}
     try:
         local, remote = build_reward(args.reward), RemoteReward(url)
+        result["client_format"] = remote.format  # the default for this server: uint8 on 127.0.0.1
         data = batch(args.batch_size, 0)
         t_local, t_remote = [], []
         for _ in range(args.reps):  # interleaved, so machine noise hits both alike
@@ -196,8 +203,7 @@ def main() -> None:
     proc.wait()
     print(json.dumps(result["killed_mid_run"]))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_merged(args.out, result)
 
 
 if __name__ == "__main__":

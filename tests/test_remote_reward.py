@@ -369,6 +369,9 @@ def test_keep_alive_reuses_one_connection_and_recovers_when_the_server_restarts(
         for _ in range(5):
             torch.testing.assert_close(client(images, ["a", "b"], [{}, {}])["mean"], want)
         assert len(server.accepted) == 1  # five requests, one TCP connection
+        import socket  # Nagle off on the kept-alive connection: else each answer's body waits ~40 ms for an ACK
+
+        assert server.accepted[0].getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
 
         def from_another_thread():  # the trainer calls its reward from a new thread per batch
             out["mean"] = client(images, ["a", "b"], [{}, {}])["mean"]
@@ -390,7 +393,7 @@ def test_keep_alive_reuses_one_connection_and_recovers_when_the_server_restarts(
         stop(server)
 
 
-def test_a_connection_closed_by_the_servers_idle_timeout_is_replaced(serve):
+def test_a_connection_closed_by_the_servers_idle_timeout_is_replaced():
     reward = CountingReward()
     server = counting_server(reward, idle_timeout_s=0.3)
     client = RemoteReward(f"http://127.0.0.1:{server.server_address[1]}", components=["mean"], retries=0)

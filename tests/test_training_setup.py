@@ -103,6 +103,21 @@ def test_adamw8bit_without_bitsandbytes_fails_before_the_model_loads(tiny_sd3_di
         tiny_config(tiny_sd3_dir, tmp_path, "train.optimizer=sgd")
 
 
+def test_a_bitsandbytes_that_imports_but_cannot_step_here_is_refused_naming_why(tiny_sd3_dir, tmp_path, monkeypatch):
+    import types
+
+    def no_kernel(*args, **kwargs):  # what a build without this device's kernels does on its first step
+        raise RuntimeError("no 8-bit optimizer kernel for this device")
+
+    fake = types.ModuleType("bitsandbytes")
+    fake.__version__, fake.optim = "0.0-test", types.SimpleNamespace(AdamW8bit=no_kernel)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", fake)
+    monkeypatch.setattr("flowalign.model_setup.load_adapter", lambda *a, **k: pytest.fail("a model loaded"))
+    with pytest.raises(ConfigError, match=r"train.optimizer: bitsandbytes 0.0-test cannot run AdamW8bit on cpu here "
+                                          r"\(RuntimeError: no 8-bit optimizer kernel .*\); use train.optimizer=adamw"):
+        Trainer(tiny_config(tiny_sd3_dir, tmp_path, "model.lora_rank=0", "train.optimizer=adamw8bit"))
+
+
 def test_adamw8bit_full_fine_tuning_step(tiny_sd3_dir, tmp_path):
     bnb = pytest.importorskip("bitsandbytes")
     try:
