@@ -34,6 +34,10 @@ class ModelConfig:
     lora_rank: int = 32  # 0 = full fine-tuning of the transformer
     lora_alpha: Optional[float] = None  # default: = rank
     lora_targets: Optional[list[str]] = None  # default: the attention projections
+    # start from this LoRA instead of a random one: a run's final/ or checkpoint policy/ folder (diffusers'
+    # pytorch_lora_weights.safetensors) or a peft adapter folder (adapter_config.json + adapter_model.safetensors);
+    # its rank, alpha and targets replace lora_rank / lora_alpha / lora_targets (flowalign/model_setup.py)
+    init_lora: Optional[str] = None
     # recompute each transformer block's activations in the backward pass (diffusers'
     # enable_gradient_checkpointing): less memory, more time (docs/memory.md measures both)
     gradient_checkpointing: bool = False
@@ -122,6 +126,12 @@ class _GeneralTrainConfig:
     weight_decay: float = 1e-4  # AdamW weight decay
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
     max_grad_norm: float = 1.0  # gradient-norm clipping of each optimizer step
+    # adamw (torch) | adamw8bit (bitsandbytes' AdamW8bit: both moments in 8 bits, 2 bytes per weight instead of
+    # 8, for full fine-tuning; pip install "flowalign[bnb]"; checked before any model loads)
+    optimizer: str = "adamw"
+    # CUDA only: float32 matmuls and convolutions in TF32 (torch.backends.cuda.matmul / cudnn allow_tf32),
+    # faster on Ampere and later with a 10-bit mantissa; on CPU a no-op with a log line
+    allow_tf32: bool = False
     warmup_epochs: int = 0  # epochs of linear learning-rate warm-up
     clip_range: float = 1e-4  # PPO-style clip of the likelihood ratio: |ratio − 1| ≤ clip_range
     # CFG in the training forward (guidance_scale > 1): no gradient through the unconditional branch, as
@@ -260,7 +270,8 @@ CHOICES = {
     "sampling.log_prob_reduction": ("mean", "sum"),
     "sampling.unmask_schedule": ("cosine", "linear"),
     "train.advantage_baseline": ("group", "leave_one_out"),
-    "train.mixed_precision": ("no", "fp16", "bf16"),  # `accelerate launch --mixed_precision` must agree (preflight)
+    "train.mixed_precision": ("no", "fp16", "bf16"),
+    "train.optimizer": ("adamw", "adamw8bit"),  # `accelerate launch --mixed_precision` must agree (preflight)
     "tracker": ("tensorboard", "wandb", "none"),
     "reward.on_error": ("raise", "nan"),
 }  # method: one of the registered objectives (flowalign/objectives/base.py), checked by check_values
@@ -455,6 +466,8 @@ def check_values(config: RunConfig, where: str = "config") -> None:
         ("train.per_reward_advantages", not (t.per_reward_advantages and t.per_prompt_stats),
          "cannot be combined with train.per_prompt_stats"),
         ("model.lora_rank", config.model.lora_rank >= 0, "must be ≥ 0 (0 = full fine-tuning)"),
+        ("model.init_lora", config.model.init_lora is None or config.model.lora_rank > 0,
+         "needs model.lora_rank > 0 (a LoRA to start from; lora_rank 0 is full fine-tuning)"),
         ("sampling.temperature", s.temperature > 0, "must be > 0"),
         ("train.advantage_baseline", t.advantage_baseline == "group" or not (t.per_prompt_stats or t.global_std),
          "leave_one_out cannot be combined with train.per_prompt_stats or train.global_std"),

@@ -247,6 +247,9 @@ def validate(config: RunConfig, missing_ok: bool = False, given=()) -> None:
     check_rewards(config, cls, given="reward" in given)
     check_prompt_sets(config, missing_ok, given)
     check_output_dir(config)
+    from flowalign.model_setup import check_setup  # here: model_setup imports this module
+
+    check_setup(config)  # model.init_lora's folder, train.optimizer's bitsandbytes
     if "model" in given:
         return
     try:

@@ -1,13 +1,21 @@
 """A reward served over HTTP, and the client reward that calls it.
 
 Why: big reward models (VLMs, OCR engines) live on their own GPU or machine and are shared by
-many training processes. The wire format is JSON with the samples as base64 PNG (uint8 images,
-lossless for 8-bit output) or NPY (any float array), never pickle: ``np.load`` runs with
-``allow_pickle=False``, and the request size is bounded before anything is parsed.
+many training processes. The wire format is JSON with the samples as base64 strings in one of three
+formats, never pickle (``np.load`` runs with ``allow_pickle=False``; the request size is bounded
+before anything is parsed):
+
+- ``uint8``: each image an NPY array uint8 [3, H, W], ``round(x · 255)``: the same pixels as PNG
+  (the 8 bits an image file keeps), without PNG's compression, which costs more time than the
+  bytes it saves on a local link (docs/rewards.md measures both). The default for a server on
+  the same machine (127.0.0.1, localhost, ::1).
+- ``png``: the same uint8 pixels, compressed: fewer bytes for a server across a network (the
+  default there).
+- ``npy``: any float array [B, ...] (video, audio, values outside [0, 1]), float32.
 
 Server (``flowalign reward-server --reward NAME``): binds 127.0.0.1 unless told otherwise;
 ``GET /health`` answers ``{"status": "ok", "reward": NAME, "components": [...]}``;
-``POST /score`` takes ``{"format": "png"|"npy", "samples": [...], "prompts": [...],
+``POST /score`` takes ``{"format": "uint8"|"png"|"npy", "samples": [...], "prompts": [...],
 "metadata": [...]}`` and answers ``{"components": {name: [B floats]}}`` (NaN as null). Requests
 that arrive together are merged into one reward call of at most ``max_batch`` samples (dynamic
 batching), so many small clients still use the model's batch.
@@ -23,12 +31,16 @@ thread ends). A malformed field answers 400 naming it.
 Client (reward name ``remote``): ``reward.name=remote reward.kwargs={url: http://host:port}``.
 Each call has a timeout and is retried with exponential backoff; when the server stays
 unreachable the batch is scored NaN, which the trainer drops and counts, so a crashed server
-costs samples, not the run.
+costs samples, not the run. The client keeps its HTTP/1.1 connections open across calls
+(keep-alive: no TCP handshake and no server thread start per batch); a connection the server has
+closed meanwhile (its idle timeout, a restart) is replaced at once and the request sent again on
+the new one, without counting as a failed try.
 """
 
 from __future__ import annotations
 
 import base64
+import http.client
 import io
 import json
 import logging
@@ -36,8 +48,7 @@ import math
 import queue
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -52,45 +63,63 @@ DEFAULT_MAX_IMAGE_PIXELS = 2**22  # 2048 × 2048 per sample (an NPY sample: its 
 DEFAULT_MAX_REQUEST_PIXELS = 2**26  # 64 samples of 1024 × 1024 per request
 DEFAULT_TIMEOUT_S = 300.0  # to receive a request's body, and to score it
 DEFAULT_IDLE_TIMEOUT_S = 30.0  # a connection silent this long is closed
+FORMATS = ("uint8", "png", "npy")
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # a server here: uint8 by default, else png
 
 
 # --------------------------------------------------------------------------- encoding
 
 
+def to_uint8(samples: torch.Tensor) -> torch.Tensor:
+    """float [B, 3, H, W] in [0, 1] → uint8 [B, 3, H, W], round(x · 255): what an 8-bit image keeps."""
+    return (samples.detach().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
 def encode_samples(samples: torch.Tensor, fmt: str = "png") -> list[str]:
-    """samples float [B, 3, H, W] in [0, 1] (png) or any float [B, ...] (npy) → B base64 strings."""
+    """samples float [B, 3, H, W] in [0, 1] (uint8, png) or any float [B, ...] (npy) → B base64
+    strings (the formats: the module docstring)."""
+    if fmt == "uint8":
+        return [base64.b64encode(_npy_bytes(array)).decode() for array in to_uint8(samples).numpy()]
     if fmt == "png":
-        arrays = (samples.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
         out = []
-        for array in arrays:
+        for array in to_uint8(samples).permute(0, 2, 3, 1).numpy():
             buffer = io.BytesIO()
             Image.fromarray(array).save(buffer, format="PNG")
             out.append(base64.b64encode(buffer.getvalue()).decode())
         return out
     if fmt == "npy":
-        out = []
-        for array in samples.detach().float().cpu().numpy():
-            buffer = io.BytesIO()
-            np.save(buffer, array, allow_pickle=False)
-            out.append(base64.b64encode(buffer.getvalue()).decode())
-        return out
-    raise ValueError(f"format must be 'png' or 'npy', got {fmt!r}")
+        return [base64.b64encode(_npy_bytes(array)).decode() for array in samples.detach().float().cpu().numpy()]
+    raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
 
 
 class TooLarge(ValueError):
     """A request over one of the server's bounds (answered 413, naming it)."""
 
 
-def sample_pixels(item: bytes, fmt: str) -> int:
-    """Pixels one encoded sample decodes to, read from its header only: a PNG's width × height, an
-    NPY array's values / 3 (RGB)."""
-    if fmt == "png":
-        width, height = Image.open(io.BytesIO(item)).size  # lazy: the header, not the pixels
-        return width * height
+def npy_header(item: bytes) -> tuple[tuple[int, ...], np.dtype]:
+    """An NPY file's shape and dtype, from its header alone (nothing decoded, nothing allocated)."""
     buffer = io.BytesIO(item)
     major, _ = np.lib.format.read_magic(buffer)
     read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
-    shape, _, _ = read_header(buffer)
+    shape, _, dtype = read_header(buffer)
+    return shape, dtype
+
+
+def sample_pixels(item: bytes, fmt: str) -> int:
+    """Pixels one encoded sample decodes to, read from its header only: a PNG's width × height, an
+    NPY array's values / 3 (RGB). A ``uint8`` sample must be uint8 [3, H, W] (ValueError otherwise)."""
+    if fmt == "png":
+        width, height = Image.open(io.BytesIO(item)).size  # lazy: the header, not the pixels
+        return width * height
+    shape, dtype = npy_header(item)
+    if fmt == "uint8" and (dtype != np.uint8 or len(shape) != 3 or shape[0] != 3):
+        raise ValueError(f"format uint8 needs uint8 arrays of shape [3, H, W], got {dtype} {list(shape)}")
     return int(np.prod(shape, dtype=np.int64)) // 3
 
 
@@ -109,15 +138,21 @@ def check_pixels(items: list[bytes], fmt: str, max_image: int, max_request: int)
 
 
 def decode_samples(items: list[str], fmt: str) -> torch.Tensor:
-    """Inverse of ``encode_samples``: float [B, 3, H, W] in [0, 1] (png) or float [B, ...] (npy)."""
+    """Inverse of ``encode_samples``: float [B, 3, H, W] in [0, 1] (uint8, png; exactly
+    ``to_uint8(x) / 255`` of the sent x) or float [B, ...] (npy)."""
     raw = [s if isinstance(s, bytes) else base64.b64decode(s) for s in items]  # the server passes them decoded
     if fmt == "png":
         arrays = [np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in raw]
         return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255
+    if fmt == "uint8":
+        arrays = [np.load(io.BytesIO(b), allow_pickle=False) for b in raw]
+        if any(a.dtype != np.uint8 or a.ndim != 3 or a.shape[0] != 3 for a in arrays):
+            raise ValueError("format uint8 needs uint8 arrays of shape [3, H, W]")
+        return torch.from_numpy(np.stack(arrays)).float() / 255
     if fmt == "npy":
         arrays = [np.load(io.BytesIO(b), allow_pickle=False) for b in raw]
         return torch.from_numpy(np.stack(arrays)).float()
-    raise ValueError(f"format must be 'png' or 'npy', got {fmt!r}")
+    raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
 
 
 def parse_request(body: bytes, max_image: int, max_request: int) -> tuple[torch.Tensor, list[str], list[dict]]:
@@ -127,8 +162,8 @@ def parse_request(body: bytes, max_image: int, max_request: int) -> tuple[torch.
     if not isinstance(request, dict):
         raise ValueError("the body must be a JSON object with samples, prompts and metadata")
     fmt = request.get("format", "png")
-    if fmt not in ("png", "npy"):
-        raise ValueError(f"format must be 'png' or 'npy', got {fmt!r}")
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     samples, prompts = request.get("samples"), request.get("prompts")
     metadata = request.get("metadata")
     if not isinstance(samples, list) or not all(isinstance(s, str) for s in samples):
@@ -141,14 +176,16 @@ def parse_request(body: bytes, max_image: int, max_request: int) -> tuple[torch.
     if not (len(samples) == len(prompts) == len(metadata)):
         raise ValueError(f"samples, prompts and metadata differ in length: {len(samples)}, {len(prompts)}, "
                          f"{len(metadata)}")
+    name = {"uint8": "uint8 NPY"}.get(fmt, fmt.upper())
     try:
         raw = [base64.b64decode(s, validate=True) for s in samples]
         check_pixels(raw, fmt, max_image, max_request)
+        decoded = decode_samples(raw, fmt)  # within bounds now; a truncated array fails here
     except TooLarge:
         raise
     except Exception as error:  # noqa: BLE001  (binascii, PIL and numpy each raise their own)
-        raise ValueError(f"samples: not base64 {fmt.upper()} ({type(error).__name__}: {error})") from None
-    return decode_samples(raw, fmt), prompts, metadata
+        raise ValueError(f"samples: not base64 {name} ({type(error).__name__}: {error})") from None
+    return decoded, prompts, metadata
 
 
 # --------------------------------------------------------------------------- server
@@ -229,6 +266,9 @@ def make_server(reward: Reward, name: str, host: str = "127.0.0.1", port: int = 
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # an answer goes out as two writes (headers, body): with Nagle's algorithm on, the second waits
+        # for the client's delayed ACK of the first (~40 ms) on a kept-alive connection
+        disable_nagle_algorithm = True
         timeout = idle_timeout_s  # per socket read: an idle or stalled connection is closed, its thread ends
 
         def log_message(self, fmt, *args):  # quiet by default; errors are answered, not printed
@@ -239,6 +279,8 @@ def make_server(reward: Reward, name: str, host: str = "127.0.0.1", port: int = 
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:  # the body was left unread: tell a keep-alive client not to reuse this one
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
 
@@ -303,20 +345,91 @@ def make_server(reward: Reward, name: str, host: str = "127.0.0.1", port: int = 
 # --------------------------------------------------------------------------- client
 
 
+class ServerRefused(RuntimeError):
+    """A 4xx answer: the request is wrong, so retrying cannot help."""
+
+
+class ServerError(ConnectionError):
+    """A 5xx answer: the server failed this time; retried."""
+
+
+# a reused keep-alive connection the server has closed fails with one of these before any answer:
+# resent once at once on a new connection (scoring is idempotent), not counted as a failed try
+STALE_CONNECTION = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+
+
 @register_reward("remote")
 class RemoteReward(Reward):
-    """A reward computed by a ``flowalign reward-server`` (see the module docstring)."""
+    """A reward computed by a ``flowalign reward-server`` (see the module docstring). ``format``:
+    uint8 | png | npy; None: uint8 for a server on this machine, png for one elsewhere."""
+
+    max_idle = 4  # idle keep-alive connections kept open (one per thread calling at once)
 
     def __init__(self, url: str = "http://127.0.0.1:8765", timeout: float = 60.0, retries: int = 3,
-                 backoff: float = 0.5, format: str = "png", components: list[str] | None = None):
+                 backoff: float = 0.5, format: str | None = None, components: list[str] | None = None):
+        parsed = urllib.parse.urlsplit(url.rstrip("/"))
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"url must look like http://HOST:PORT, got {url!r}")
+        if format is None:
+            format = "uint8" if parsed.hostname in LOCAL_HOSTS else "png"
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
         self.url, self.timeout, self.retries, self.backoff, self.format = url.rstrip("/"), timeout, retries, backoff, format
+        self._parsed = parsed
+        self._idle: list[http.client.HTTPConnection] = []  # keep-alive connections not in use
+        self._lock = threading.Lock()
         self.components = tuple(components) if components else tuple(self.health()["components"])
 
+    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
+        """An idle pooled connection (True: it served a request before and may have gone stale), or a
+        new one (False). Pooled, not per thread: the trainer calls its reward from a new thread per
+        batch (flowalign/faults.py), and a connection serves one request at a time."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop(), True
+        cls = http.client.HTTPSConnection if self._parsed.scheme == "https" else http.client.HTTPConnection
+        return cls(self._parsed.hostname, self._parsed.port, timeout=self.timeout), False
+
+    def _release(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if len(self._idle) < self.max_idle:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        """Close the idle connections (a later call opens a new one)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
     def _request(self, path: str, body: bytes | None = None) -> dict:
-        request = urllib.request.Request(self.url + path, data=body, method="POST" if body is not None else "GET",
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=self.timeout) as response:
-            return json.loads(response.read())
+        """One request on a keep-alive connection; ServerRefused (4xx), ServerError (5xx)."""
+        headers = {"Content-Type": "application/json"}
+        while True:
+            conn, reused = self._connection()
+            try:
+                conn.request("POST" if body is not None else "GET", self._parsed.path + path, body=body, headers=headers)
+                response = conn.getresponse()
+                data = response.read()
+            except STALE_CONNECTION:
+                conn.close()
+                if reused:
+                    continue  # closed by the server while idle (or a restart): once more on a new connection
+                raise
+            except BaseException:
+                conn.close()  # a timeout or a broken answer: this connection's state is unknown
+                raise
+            if response.will_close:
+                conn.close()
+            else:
+                self._release(conn)
+            if response.status >= 500:
+                raise ServerError(f"HTTP {response.status}: {data.decode(errors='replace')}")
+            if response.status >= 400:
+                raise ServerRefused(f"reward server {self.url} refused the request: {data.decode(errors='replace')}")
+            return json.loads(data)
 
     def health(self) -> dict:
         return self._with_retries(lambda: self._request("/health"))
@@ -325,12 +438,9 @@ class RemoteReward(Reward):
         for attempt in range(self.retries + 1):
             try:
                 return call()
-            except urllib.error.HTTPError as error:
-                if error.code < 500:  # our request is wrong: retrying cannot help
-                    raise RuntimeError(f"reward server {self.url} refused the request: "
-                                       f"{error.read().decode(errors='replace')}") from error
-                last = error
-            except (urllib.error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError) as error:
+            except ServerRefused:
+                raise  # our request is wrong: retrying cannot help
+            except (OSError, http.client.HTTPException, json.JSONDecodeError) as error:  # ServerError included
                 last = error
             if attempt < self.retries:
                 time.sleep(self.backoff * 2**attempt)

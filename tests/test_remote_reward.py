@@ -222,7 +222,7 @@ def test_a_bad_content_length_is_refused_before_the_body_is_read(serve):
     ("prompts", "a red circle", "prompts must be a list of strings"),
     ("metadata", [1, 2], "metadata must be a list of objects"),
     ("samples", ["not base64!", "AAAA"], "samples: not base64 PNG"),
-    ("format", "gif", "format must be 'png' or 'npy'"),
+    ("format", "gif", "format must be one of uint8, png, npy"),
 ])
 def test_malformed_fields_answer_400_naming_the_field(serve, field, value, named):
     url = serve(build_reward("shapes"), "shapes")
@@ -260,3 +260,147 @@ def test_idle_and_slow_clients_time_out_without_blocking_others(serve):
     assert trickle.recv(4096).startswith(b"HTTP/1.1 408")
     began = time.time()  # scoring past timeout_s: a 503, which the client scores NaN (after its retries)
     assert torch.isnan(client(torch.rand(1, 3, 8, 8), ["slow"], [{}])["mean"]).all() and time.time() - began < 1.4
+
+
+# --------------------------------------------------------------------------- uint8 NPY, keep-alive
+
+
+def test_uint8_round_trip_is_bit_exact_and_the_same_pixels_as_png():
+    from reward_models.remote import decode_samples, encode_samples, to_uint8
+
+    x = torch.rand(3, 3, 17, 23, generator=torch.Generator().manual_seed(0))
+    x[0, 0, 0, :3] = torch.tensor([0.0, 1.0, 0.5 / 255])  # the ends, and a value that rounds half-way
+    got = decode_samples(encode_samples(x, "uint8"), "uint8")
+    want = torch.round(x * 255) / 255  # what any 8-bit image keeps, worked out independently
+    assert torch.equal(got, want)
+    assert torch.equal(got, decode_samples(encode_samples(x, "png"), "png"))  # the same pixels as PNG
+    assert torch.equal((got * 255).round().to(torch.uint8), to_uint8(x))
+    again = decode_samples(encode_samples(got, "uint8"), "uint8")  # a second trip loses nothing
+    assert torch.equal(again, got)
+
+
+def npy_b64(array) -> str:
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def object_npy_b64() -> str:
+    """An NPY header declaring pickled Python objects, then bytes that are no pickle."""
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": "|O", "fortran_order": False, "shape": (3, 1, 1)})
+    return base64.b64encode(buffer.getvalue() + b"not a pickle").decode()
+
+
+@pytest.mark.parametrize("sample, named", [
+    (npy_b64(np.zeros((3, 8, 8), np.float32)), "format uint8 needs uint8 arrays of shape [3, H, W], got float32 [3, 8, 8]"),
+    (npy_b64(np.zeros((8, 8, 3), np.uint8)), "format uint8 needs uint8 arrays of shape [3, H, W], got uint8 [8, 8, 3]"),
+    (npy_b64(np.zeros((3, 8, 8), np.uint8))[:-40], "samples: not base64 uint8 NPY"),  # cut short: fewer bytes than its header says
+    ("iVBORw0KGgo=", "samples: not base64 uint8 NPY"),  # a PNG signature, not an NPY file
+    (object_npy_b64(), "got object [3, 1, 1]"),  # pickled objects: refused from the header, never unpickled
+])
+def test_the_server_rejects_malformed_uint8_npy_with_a_clear_error(serve, sample, named):
+    reward = CountingReward()
+    url = serve(reward)
+    body = json.dumps({"format": "uint8", "samples": [sample], "prompts": ["x"]}).encode()
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(urllib.request.Request(url + "/score", data=body, method="POST"))
+    text = error.value.read().decode()
+    assert error.value.code == 400 and named in text, text
+    assert reward.calls == 0
+
+
+def test_uint8_is_the_default_for_a_local_server_and_png_elsewhere(serve):
+    reward = CountingReward()
+    url = serve(reward)
+    assert RemoteReward(url, components=["mean"]).format == "uint8"
+    assert RemoteReward(url.replace("127.0.0.1", "localhost"), components=["mean"]).format == "uint8"
+    assert RemoteReward("http://reward-box:8765", components=["mean"]).format == "png"
+    assert RemoteReward("http://reward-box:8765", components=["mean"], format="uint8").format == "uint8"
+    with pytest.raises(ValueError, match="format must be one of uint8, png, npy, got 'jpeg'"):
+        RemoteReward(url, components=["mean"], format="jpeg")
+    images = torch.rand(2, 3, 8, 8)  # scored on exactly the 8-bit pixels
+    got = RemoteReward(url, components=["mean"])(images, ["a", "b"], [{}, {}])["mean"]
+    torch.testing.assert_close(got, (torch.round(images * 255) / 255).mean((1, 2, 3)), rtol=0, atol=0)
+
+
+def counting_server(reward, port=0, **kwargs):
+    """A real server whose accepted TCP connections are kept (and so counted)."""
+    server = make_server(reward, "test", port=port, **kwargs)
+    server.accepted = []
+    get_request = server.get_request
+
+    def counted():
+        sock, address = get_request()
+        server.accepted.append(sock)
+        return sock, address
+
+    server.get_request = counted
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def stop(server):
+    """Down as a killed server process is: listening socket and every open connection closed."""
+    import socket
+
+    server.shutdown()
+    server.server_close()
+    for sock in server.accepted:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+
+
+def test_keep_alive_reuses_one_connection_and_recovers_when_the_server_restarts():
+    reward = CountingReward()
+    server = counting_server(reward)
+    port = server.server_address[1]
+    client = RemoteReward(f"http://127.0.0.1:{port}", components=["mean"], retries=0)
+    images = torch.rand(2, 3, 8, 8)
+    want = (torch.round(images * 255) / 255).mean((1, 2, 3))
+    try:
+        for _ in range(5):
+            torch.testing.assert_close(client(images, ["a", "b"], [{}, {}])["mean"], want)
+        assert len(server.accepted) == 1  # five requests, one TCP connection
+        import socket  # Nagle off on the kept-alive connection: else each answer's body waits ~40 ms for an ACK
+
+        assert server.accepted[0].getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+        def from_another_thread():  # the trainer calls its reward from a new thread per batch
+            out["mean"] = client(images, ["a", "b"], [{}, {}])["mean"]
+
+        out = {}
+        worker = threading.Thread(target=from_another_thread)
+        worker.start()
+        worker.join()
+        torch.testing.assert_close(out["mean"], want)
+        assert len(server.accepted) == 1
+    finally:
+        stop(server)
+    server = counting_server(reward, port=port)  # restarted on the same port: the pooled connection is dead
+    try:
+        for _ in range(3):  # retries=0: the stale connection is replaced without using up a try
+            torch.testing.assert_close(client(images, ["a", "b"], [{}, {}])["mean"], want)
+        assert len(server.accepted) == 1
+    finally:
+        stop(server)
+
+
+def test_a_connection_closed_by_the_servers_idle_timeout_is_replaced():
+    reward = CountingReward()
+    server = counting_server(reward, idle_timeout_s=0.3)
+    client = RemoteReward(f"http://127.0.0.1:{server.server_address[1]}", components=["mean"], retries=0)
+    try:
+        assert client(torch.rand(1, 3, 8, 8), ["a"], [{}])["mean"].isfinite().all()
+        time.sleep(0.8)  # the server closes the idle connection
+        assert client(torch.rand(1, 3, 8, 8), ["a"], [{}])["mean"].isfinite().all()
+        assert len(server.accepted) == 2
+    finally:
+        stop(server)
