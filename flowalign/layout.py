@@ -3,7 +3,9 @@ adapters) and ``reward_models``. The last two are common names: another installe
 folder in the working directory (first on ``sys.path`` under ``python -m`` and in notebooks), can
 hide ours, and the failure would surface far away (an ImportError or AttributeError deep inside a
 run). ``import flowalign`` therefore checks, without importing them, that both resolve to the
-folder that holds ``flowalign`` and says which file hides ours when not (docs/install.md).
+folder that holds ``flowalign`` and says which file hides ours when not (docs/install.md). Every
+command and the Python API import flowalign first; ``pipelines`` and ``reward_models`` import
+nothing of flowalign (the layering rule), so importing one of them alone is not checked.
 """
 
 from __future__ import annotations

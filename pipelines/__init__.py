@@ -10,7 +10,6 @@ import inspect
 import types
 import typing
 
-import flowalign  # noqa: F401  (checks that pipelines and reward_models are flowalign's own: flowalign/layout.py)
 from pipelines.base import Adapter, Conditioning, ModelNotFoundError, Schedule, resolve_model_path
 
 FAMILIES = {"sd3": "pipelines.sd3:SD3Adapter", "sd": "pipelines.sd:SDAdapter", "sdxl": "pipelines.sdxl:SDXLAdapter",
