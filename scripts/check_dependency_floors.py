@@ -13,7 +13,8 @@ version below it fails (peft 0.17, diffusers 0.39: docs/install.md)::
     nice -n 19 python scripts/check_dependency_floors.py --pin peft==0.17.1 --out /tmp/peft017.json
 
 It writes one JSON: the pins asked for, ``pip freeze`` of the venv, each test file's pytest
-summary line and exit code. The venv is deleted afterwards unless ``--keep`` (several GiB).
+summary line and exit code, and the installed ``flowalign`` command run from outside the work tree
+(``recipes``, the dry runs of two built-in recipes by name: the wheel's recipes and prompt files). The venv is deleted afterwards unless ``--keep`` (several GiB).
 """
 
 from __future__ import annotations
@@ -118,6 +119,14 @@ def main(argv: list[str] | None = None) -> dict:
                 summary = [line for line in done.stdout.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
                 result["tests"][test] = {"exit_code": done.returncode, "summary": summary[-1] if summary else
                                          done.stdout[-1500:]}
+            # the installed wheel's recipes and their prompt files, from a folder outside the work tree
+            result["commands"] = {}
+            for command in (["recipes"], ["train", "shapes_nft", "--dry-run"],
+                            ["train", "sd35m_flow_grpo_pickscore", "--dry-run"]):
+                done = run([str(venv / "bin" / "flowalign"), *command], log, env={**env, "HF_HUB_OFFLINE": "1"},
+                           cwd="/tmp")
+                result["commands"]["flowalign " + " ".join(command)] = {
+                    "exit_code": done.returncode, "tail": done.stdout.strip().splitlines()[-3:]}
     result["minutes"] = round((time.time() - started) / 60, 1)
     if not args.keep:
         shutil.rmtree(venv, ignore_errors=True)
