@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TESTS = ["tests/test_packaging.py", "tests/test_sd3_adapter.py", "tests/test_neural_rewards.py",
                  "tests/test_python_api.py", "tests/test_shapes_world.py", "tests/test_chess_tokenizer.py",
-                 "tests/test_prompt_sources.py", "tests/test_trackers.py"]
+                 "tests/test_prompt_sources.py", "tests/test_trackers.py", "tests/test_evaluation.py"]
 FLOOR = re.compile(r"^\s*([A-Za-z0-9_.\-]+)(\[[^\]]*\])?\s*>=\s*([0-9][^,;\s]*)\s*(;.*)?$")
 
 
