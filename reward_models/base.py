@@ -4,6 +4,9 @@ A reward is a callable ``reward(samples, prompts, metadata) -> dict[str, Tensor[
 one or more named components; configs weight the components and every component is logged.
 Register one by name with ``@register_reward("name")``; a separately installed package can add
 rewards through the ``flowalign.rewards`` entry-point group (``name = "module:Class"``).
+Built-in rewards (``BUILTIN_REWARDS``) and plug-ins are looked up by name and imported only when
+asked for (``reward_factory``), so an optional package that is missing (chess, scipy, open_clip,
+pytesseract) costs only the rewards that need it, which say what to install.
 """
 
 from __future__ import annotations
