@@ -137,6 +137,9 @@ def dataset_records(spec: str) -> list[dict]:
     bad = next((i for i, r in enumerate(records) if not str(r.get("prompt") or "").strip()), None)
     if bad is not None:
         raise ValueError(f"{path}: row {bad} has no prompt")
+    if local.exists():  # an "image" path column, relative to the dataset's folder like a prompt file's
+        anchor = local / "dataset" if local.is_dir() else local
+        records = [_resolve_image(r, anchor) if isinstance(r.get("image"), str) else r for r in records]
     return records
 
 

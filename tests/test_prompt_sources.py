@@ -99,6 +99,11 @@ def test_a_saved_dataset_and_its_splits_are_prompt_sources(tmp_path, monkeypatch
         load_prompts(f"hf:{tmp_path / 'split'}:dev")
     datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "p.parquet"))
     assert load_prompts(str(tmp_path / "p.parquet")) == expected  # a data file through load_dataset
+    (tmp_path / "with_image").mkdir()
+    (tmp_path / "with_image/in.png").write_bytes(b"png")
+    datasets.Dataset.from_dict({"prompt": ["edit it"], "image": ["in.png"]}).save_to_disk(str(tmp_path / "with_image"))
+    image = str(tmp_path / "with_image/in.png")  # an image path column, relative to the dataset's folder
+    assert load_prompts(str(tmp_path / "with_image")) == [{"prompt": "edit it", "image": image}]
     datasets.Dataset.from_dict({"caption": ["x"]}).save_to_disk(str(tmp_path / "nocol"))
     with pytest.raises(ValueError, match=r"no \"prompt\" column \(columns: \['caption'\]\)"):
         load_prompts(f"hf:{tmp_path / 'nocol'}")
