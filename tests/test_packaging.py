@@ -136,7 +136,8 @@ def test_every_recipe_is_found_by_name_from_any_folder(tmp_path, monkeypatch):
     assert find_recipe("shapes_nft.yaml") == find_recipe("shapes_nft")
     config = load_config("sd35m_flow_grpo_pickscore", ["train.epochs=3"])
     assert config.train.epochs == 3
-    assert Path(config.data.train_prompts) == recipes["sd35m_flow_grpo_pickscore"].parent / "prompts/pickscore/train.txt"
+    folder = recipes["sd35m_flow_grpo_pickscore"].parent
+    assert Path(config.data.train_prompts) == folder / "prompts/pickscore/train.txt"
     with pytest.raises(ConfigError, match=r"'shapes_nft' is a built-in recipe: use the name alone \(shapes_nft\)"):
         load_config("configs/shapes_nft.yaml")  # a path is a path: not found from this folder
     with pytest.raises(ConfigError, match="built-in recipes \\(flowalign recipes\\): av_nft, chess_ddpo"):
