@@ -19,8 +19,13 @@ and its sections (flowalign/config.py), ``register_reward`` / ``Reward`` (reward
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
+
+from flowalign.layout import check_siblings
 
 __version__ = "0.1.0"
+
+check_siblings(Path(__file__).resolve().parent.parent)  # pipelines and reward_models are ours (layout.py)
 
 _EXPORTS = {
     "train": "flowalign.api",

@@ -3,6 +3,7 @@
 Examples::
 
     flowalign train configs/shapes_flow_grpo.yaml                     # the built-in demo
+    flowalign train shapes_nft                                        # a built-in recipe by name (flowalign recipes)
     flowalign train configs/shapes_flow_grpo.yaml train.epochs=5 output_dir=runs/try
     flowalign train configs/sd35m_flow_grpo_pickscore.yaml --dry-run    # check a recipe, say what it loads
     flowalign generate-groups configs/shapes_gdro.yaml --groups 512 && flowalign train configs/shapes_gdro.yaml
@@ -271,6 +272,21 @@ def cmd_push(args) -> int:
     return 0
 
 
+def cmd_recipes(args) -> int:
+    from flowalign.recipes import builtin_recipes, describe, find_recipe
+
+    if args.show:
+        print(find_recipe(args.show).read_text(), end="")
+        return 0
+    recipes = builtin_recipes()
+    width = max(map(len, recipes))
+    for name, path in recipes.items():
+        print(f"{name:{width}s}  {describe(path)}")
+    print(f"\n{len(recipes)} recipes in {next(iter(recipes.values())).parent}: flowalign train NAME [key=value ...]; "
+          "flowalign recipes --show NAME prints one (relative prompt paths in it are read from its folder)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowalign", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -280,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(e.g. train.learning_rate=1e-4 sampling.num_steps=8). resume=auto continues "
                                    "from the latest checkpoint in output_dir.",
                        epilog=CONFIG_KEYS_HELP)
-    p.add_argument("config", help="YAML recipe, e.g. configs/shapes_flow_grpo.yaml")
+    p.add_argument("config", help="YAML recipe: a path (configs/shapes_flow_grpo.yaml) or a built-in recipe's name "
+                                  "(shapes_flow_grpo; flowalign recipes lists them)")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     p.add_argument("--dry-run", action="store_true",
                    help="validate the whole config (keys, rewards, method × family, adapter options) and print "
@@ -292,18 +309,25 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the config's sampler, score them with its reward and write them to "
                                    "data.offline_groups; `flowalign train` with method=gdro then trains on them "
                                    "without sampling. Overrides as for train.")
-    p.add_argument("config", help="YAML recipe, e.g. configs/shapes_gdro.yaml")
+    p.add_argument("config", help="YAML recipe: a path (configs/shapes_gdro.yaml) or a built-in recipe's name")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     p.add_argument("--groups", type=int, default=512, help="prompt groups to generate (rounded up to whole "
                                                            "train.groups_per_epoch batches)")
     p.set_defaults(func=cmd_generate_groups)
+
+    p = sub.add_parser("recipes", help="list the built-in recipes (flowalign train NAME runs one)",
+                       description="The recipes that ship with flowalign (the repository's configs/), each with "
+                                   "its first comment line. A name works wherever a recipe path does.")
+    p.add_argument("--show", default=None, metavar="NAME", help="print this recipe's YAML (to copy and edit it)")
+    p.set_defaults(func=cmd_recipes)
 
     p = sub.add_parser("grid", help="prompts × policies × seeds in one labelled PNG (ODE sampling)",
                        description="Rows are prompts; columns are seeds grouped by policy, every policy "
                                    "starting from the same noise per seed, so cells are comparable.")
     _add_model_args(p)
     _add_policy_args(p)
-    p.add_argument("--prompts", default="shapes:test", help="shapes:test, a .txt or a .jsonl prompt file")
+    p.add_argument("--prompts", default="shapes:test", help="shapes:test, a .txt / .jsonl / .csv prompt file or "
+                   "hf:PATH[:SPLIT] (a Hugging Face dataset)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; overrides --prompts)")
     p.add_argument("--image", action="append", help="an image-conditioned family's input image for each --prompt "
                    "(repeatable, in order; several inputs of one prompt separated by |); a prompt file's records "
@@ -321,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "list the base model first.")
     _add_model_args(p)
     _add_policy_args(p)
-    p.add_argument("--prompts", default="shapes:test", help="shapes:test, a .txt or a .jsonl prompt file")
+    p.add_argument("--prompts", default="shapes:test", help="shapes:test, a .txt / .jsonl / .csv prompt file or "
+                   "hf:PATH[:SPLIT] (a Hugging Face dataset)")
     p.add_argument("--max-prompts", type=int, default=None)
     p.add_argument("--rewards", default="shapes", help="comma-separated registered rewards, e.g. "
                                                        "shapes,jpeg_compressibility")
@@ -382,10 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     from flowalign.config import ConfigError
     from flowalign.faults import RunStopped
     from pipelines.base import ModelNotFoundError
+    from reward_models.base import MissingRewardPackage
 
     try:
         return args.func(args)
-    except (ConfigError, CheckpointError, ModelNotFoundError, FileNotFoundError) as error:
+    except (ConfigError, CheckpointError, ModelNotFoundError, FileNotFoundError, MissingRewardPackage) as error:
         print(f"flowalign: error: {error}", file=sys.stderr)
         return 2
     except RunStopped as error:  # a fault during the run, not a usage error

@@ -91,7 +91,9 @@ class SamplingConfig:
 
 @dataclass
 class DataConfig:
-    # "shapes:<split>" (the built-in world: train | test | all) or a .txt / .jsonl prompt file
+    # "shapes:<split>" (the built-in world: train | test | all), chess:<split>, av:<split>, a .txt / .jsonl /
+    # .csv prompt file or a Hugging Face dataset (hf:PATH[:SPLIT]; flowalign/prompts.py). Relative paths in a
+    # recipe are read from the recipe's folder, on the command line from the working directory
     train_prompts: str = "shapes:train"
     eval_prompts: str = "shapes:test"  # held-out prompts of every evaluation (same sources as train_prompts)
     # draw a category ("tag") uniformly, then a prompt in it; otherwise every prompt is equally likely
@@ -367,14 +369,17 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    """Read a YAML file (optional), apply ``key=value`` overrides, validate. Raises ConfigError."""
+    """Read a YAML file (optional; a path, or a built-in recipe's name: flowalign/recipes.py), apply
+    ``key=value`` overrides, validate. Raises ConfigError. Relative prompt paths in the file are read
+    from the file's folder (flowalign.prompts.resolve_source); those of overrides from the working
+    directory."""
+    from flowalign.recipes import find_recipe
+
     tree: dict = {}
     where = "defaults"
     if path is not None:
-        path = Path(path)
+        path = find_recipe(path)
         where = str(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path.resolve()}")
         try:
             loaded = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as error:
@@ -382,6 +387,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         if not isinstance(loaded, dict):
             raise ConfigError(f"{where}: the top level must be a mapping of settings")
         tree = _floats(loaded)
+        _resolve_prompt_paths(tree, path.parent)
     config = _build(RunConfig, tree, "", where)  # the file alone must be valid
     set_by = []
     for text in overrides:
@@ -393,6 +399,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
     config.sources = {"file": where, "overrides": set_by}  # read by source_of; not a setting
     check_values(config, where)
     return config
+
+
+def _resolve_prompt_paths(tree: dict, folder: Path) -> None:
+    """``data.train_prompts`` / ``data.eval_prompts`` of a recipe, relative to its ``folder``."""
+    from flowalign.prompts import resolve_source
+
+    data = tree.get("data")
+    if not isinstance(data, dict):
+        return  # _build names the problem
+    for key in ("train_prompts", "eval_prompts"):
+        if isinstance(data.get(key), str):
+            data[key] = resolve_source(data[key], folder)
 
 
 def source_of(config: RunConfig, key: str, default: str = "config") -> str:

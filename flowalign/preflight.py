@@ -87,13 +87,17 @@ def check_model(config: RunConfig):
 
 def reward_factory(name: str, key: str, where: str = "config"):
     """The registered factory of reward ``name`` (ConfigError naming ``key`` and ``where`` it was set
-    when unknown)."""
-    from reward_models.base import _REGISTRY, available_rewards
+    when unknown, or when its optional package is not installed: the message has the pip line)."""
+    from reward_models.base import MissingRewardPackage, available_rewards
+    from reward_models.base import reward_factory as lookup
 
-    names = available_rewards()  # loads the built-ins and the plug-ins
-    if name not in _REGISTRY:
-        raise ConfigError(f"{where}: {key}: unknown reward {name!r}; available: {', '.join(names)}")
-    return _REGISTRY[name]
+    try:
+        return lookup(name)  # imports only this reward's module (or plug-in)
+    except KeyError:
+        raise ConfigError(f"{where}: {key}: unknown reward {name!r}; available: {', '.join(available_rewards())}") \
+            from None
+    except MissingRewardPackage as error:
+        raise ConfigError(f"{where}: {key}: {error}") from None
 
 
 def reward_arguments(factory, kwargs: dict, name: str, key: str,

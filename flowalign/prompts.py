@@ -1,15 +1,26 @@
-"""Prompt sources: the built-in shapes world or a prompt file. A prompt is a dict with at least
-``"prompt"``; GenEval-style records also carry ``"tag"`` and ``"include"`` for verifiers; an
-image-conditioned task's records carry ``"image"``, the conditioning image's path (relative paths
-are resolved against the prompt file's folder; several, for Qwen-Image-Edit-Plus: a list, or in a
-CSV paths separated by "|"), which the adapter encodes with the prompt and the rewards receive in
-their metadata."""
+"""Prompt sources: the built-in worlds, a prompt file or a Hugging Face dataset. A prompt is a dict
+with at least ``"prompt"``; GenEval-style records also carry ``"tag"`` and ``"include"`` for
+verifiers; an image-conditioned task's records carry ``"image"``, the conditioning image's path
+(relative paths are resolved against the prompt file's folder; several, for Qwen-Image-Edit-Plus: a
+list, or in a CSV paths separated by "|"), which the adapter encodes with the prompt and the rewards
+receive in their metadata.
+
+In a recipe, a relative prompt path is relative to the recipe file's folder (``resolve_source``);
+on the command line and in Python, to the working directory."""
 
 from __future__ import annotations
 
 import csv
 import json
+import logging
+import os
 from pathlib import Path
+
+BUILTIN_SOURCES = ("shapes", "chess", "av")  # "<world>:<split>" sources, not files
+DATASET_PREFIX = "hf:"  # hf:PATH[:SPLIT], a Hugging Face dataset (datasets.load_from_disk / load_dataset)
+DATASET_FILES = {".parquet": "parquet", ".arrow": "arrow"}  # read through datasets too
+
+log = logging.getLogger(__name__)
 
 
 def load_prompts(source: str | list) -> list[dict]:
@@ -18,8 +29,11 @@ def load_prompts(source: str | list) -> list[dict]:
     ``"chess:test"`` (theme requests, ``flowalign.chess.requests``; ``chess:<split>:<model folder>``
     for another model's split), ``"av:train"`` / ``"av:test"`` / ``"av:all"`` (the audio-video
     world, ``reward_models.worlds.audio_video``), a ``.txt`` file (one prompt per line), a ``.jsonl`` file (one
-    record per line with a "prompt" key) or a ``.csv`` file (a header row naming a "prompt" column;
-    every column becomes a key of the record)."""
+    record per line with a "prompt" key), a ``.csv`` file (a header row naming a "prompt" column;
+    every column becomes a key of the record) or a Hugging Face dataset with a "prompt" column
+    (``dataset_records``): ``hf:PATH[:SPLIT]``, a folder written by ``save_to_disk``, a
+    ``.parquet`` or ``.arrow`` file. In .txt and .jsonl files a line starting with ``#`` is a
+    comment (the shipped prompt files say where they come from that way)."""
     if isinstance(source, (list, tuple)):
         records = [{"prompt": p} if isinstance(p, str) else dict(p) for p in source]
         bad = next((i for i, r in enumerate(records) if not str(r.get("prompt", "")).strip()), None)
@@ -39,13 +53,17 @@ def load_prompts(source: str | list) -> list[dict]:
 
         _, split, *model = source.split(":", 2)
         return chess_requests(split, model[0] if model else DEFAULT_MODEL)
+    if source.startswith(DATASET_PREFIX):
+        return dataset_records(source[len(DATASET_PREFIX):])
     path = Path(source).expanduser()
+    if path.is_dir() or path.suffix in DATASET_FILES:
+        return dataset_records(source)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: tried {path.resolve()} (or use shapes:train / shapes:test / chess:train / chess:test / av:train / av:test)")
     if path.suffix == ".jsonl":
         records = []
         for number, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
+            if not line.strip() or line.lstrip().startswith("#"):
                 continue
             try:
                 record = json.loads(line)
@@ -67,9 +85,93 @@ def load_prompts(source: str | list) -> list[dict]:
             raise ValueError(f"{path}: line {bad[0]} has no \"prompt\" value")
         return [resolve_image(r, path) for r in records]
     if path.suffix == ".txt":
-        return [{"prompt": line.strip()} for line in path.read_text().splitlines() if line.strip()]
-    raise ValueError(f"{path}: prompt files must be .txt (one prompt a line), .jsonl (one record a line) or .csv "
-                     f"(a header with a prompt column), got {path.suffix or 'no extension'}")
+        lines = (line.strip() for line in path.read_text().splitlines())
+        return [{"prompt": line} for line in lines if line and not line.startswith("#")]
+    raise ValueError(f"{path}: prompt files must be .txt (one prompt a line), .jsonl (one record a line), .csv "
+                     f"(a header with a prompt column) or a Hugging Face dataset (hf:PATH, a save_to_disk folder, "
+                     f".parquet, .arrow), got {path.suffix or 'no extension'}")
+
+
+def dataset_records(spec: str) -> list[dict]:
+    """The rows of a Hugging Face dataset as prompt records (every column a key; "prompt" needed).
+
+    ``spec``: ``PATH[:SPLIT]``. PATH is a folder written by ``Dataset.save_to_disk`` /
+    ``DatasetDict.save_to_disk`` (``datasets.load_from_disk``), a ``.parquet`` / ``.arrow`` /
+    ``.csv`` / ``.json`` / ``.jsonl`` file or a folder of such files (``datasets.load_dataset``), or
+    a hub id (``load_dataset``; needs the network). SPLIT: default ``train`` when there are several,
+    else the only one. Needs the optional ``datasets`` package (``pip install 'flowalign[datasets]'``).
+    """
+    path, split = spec, None
+    head, _, tail = spec.rpartition(":")
+    if head and tail and "/" not in tail and not Path(spec).expanduser().exists():
+        path, split = head, tail
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"prompt source {spec!r} is a Hugging Face dataset, which needs the datasets package: "
+                         "pip install 'flowalign[datasets]'") from None
+    local = Path(path).expanduser()
+    try:
+        if (local / "dataset_info.json").is_file() or (local / "dataset_dict.json").is_file():
+            loaded = datasets.load_from_disk(str(local))
+        elif local.is_file():
+            builder = {".jsonl": "json", ".csv": "csv", ".json": "json", **DATASET_FILES}.get(local.suffix)
+            if builder is None:
+                raise ValueError(f"{local}: not a dataset file (.parquet, .arrow, .csv, .json, .jsonl)")
+            loaded = datasets.load_dataset(builder, data_files=str(local))
+        else:
+            loaded = datasets.load_dataset(str(local) if local.is_dir() else path)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"Hugging Face dataset not found: tried {local.resolve()} ({error})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        names = list(loaded)
+        split = split or ("train" if "train" in names else names[0] if len(names) == 1 else None)
+        if split not in names:
+            raise ValueError(f"{path}: no split {split!r}; it has {names} (choose one: hf:{path}:SPLIT)")
+        loaded = loaded[split]
+    elif split is not None and split != str(loaded.split):
+        raise ValueError(f"{path}: a single split ({loaded.split}), not {split!r}")
+    if "prompt" not in loaded.column_names:
+        raise ValueError(f"{path}: the dataset has no \"prompt\" column (columns: {loaded.column_names}); "
+                         "rename one: dataset.rename_column(\"caption\", \"prompt\")")
+    records = [dict(row) for row in loaded]
+    bad = next((i for i, r in enumerate(records) if not str(r.get("prompt") or "").strip()), None)
+    if bad is not None:
+        raise ValueError(f"{path}: row {bad} has no prompt")
+    if local.exists():  # an "image" path column, relative to the dataset's folder like a prompt file's
+        anchor = local / "dataset" if local.is_dir() else local
+        records = [resolve_image(r, anchor) if isinstance(r.get("image"), (str, list)) else r for r in records]
+    return records
+
+
+def is_file_source(source: str) -> bool:
+    """A prompt source that names a path (not a built-in world split, not a list)."""
+    return source.partition(":")[0] not in BUILTIN_SOURCES
+
+
+def resolve_source(source: str, folder: Path) -> str:
+    """A recipe's prompt source with a relative path made relative to the recipe's ``folder``.
+
+    Absolute paths, built-in splits and hub ids (``hf:org/name`` with no such folder) are kept. A
+    relative path found next to the recipe wins; one found only relative to the working directory
+    (what recipes meant before 2026-12) is kept with a warning; one found nowhere becomes the
+    recipe-relative path, so the error names that.
+    """
+    prefix = DATASET_PREFIX if source.startswith(DATASET_PREFIX) else ""
+    rest = source[len(prefix):]
+    if not is_file_source(source) or not rest or Path(rest).expanduser().is_absolute() or rest.startswith("~"):
+        return source
+    head, _, tail = rest.rpartition(":")
+    split = f":{tail}" if prefix and head and "/" not in tail and not (folder / rest).exists() else ""
+    name = rest[: len(rest) - len(split)]
+    beside = Path(os.path.normpath(folder / name))
+    if beside.exists():
+        return f"{prefix}{beside}{split}"
+    if Path(name).exists():
+        log.warning("prompt source %s is relative to the working directory; recipes' relative paths are read from "
+                    "the recipe's folder (%s): write %s", source, folder, os.path.relpath(Path(name).resolve(), folder))
+        return source
+    return source if prefix else str(beside)  # hf:org/name is a hub id
 
 
 def resolve_image(record: dict, prompt_file: Path) -> dict:

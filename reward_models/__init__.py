@@ -1,0 +1,1 @@
+"""Rewards: plain callables registered by name (reward_models/base.py); built-ins load on first use."""

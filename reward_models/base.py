@@ -4,10 +4,14 @@ A reward is a callable ``reward(samples, prompts, metadata) -> dict[str, Tensor[
 one or more named components; configs weight the components and every component is logged.
 Register one by name with ``@register_reward("name")``; a separately installed package can add
 rewards through the ``flowalign.rewards`` entry-point group (``name = "module:Class"``).
+Built-in rewards (``BUILTIN_REWARDS``) and plug-ins are looked up by name and imported only when
+asked for (``reward_factory``), so an optional package that is missing (chess, scipy, open_clip,
+pytesseract) costs only the rewards that need it, which say what to install.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from importlib.metadata import entry_points
 from typing import Callable
@@ -118,6 +122,9 @@ def register_reward(name: str):
     ``FunctionReward``. Anything else is a factory: ``build_reward(name, **kwargs)`` calls it."""
 
     def wrap(factory):
+        builtin = BUILTIN_REWARDS.get(name)
+        if builtin is not None and getattr(factory, "__module__", None) != builtin:
+            raise ValueError(f"reward {name!r} is a built-in ({builtin}); register yours under another name")
         known = _REGISTRY.get(name)
         if known is not None and getattr(known, "fn", known) is not factory:
             raise ValueError(f"reward {name!r} is already registered by {known!r}")
@@ -128,36 +135,90 @@ def register_reward(name: str):
     return wrap
 
 
-def _load_builtins_and_plugins() -> None:
-    import reward_models.aesthetic  # noqa: F401  (registers on import; heavy imports wait for a constructor)
-    import reward_models.audio_video  # noqa: F401
-    import reward_models.chess.reward  # noqa: F401  (Stockfish starts at the first call)
-    import reward_models.clip_score  # noqa: F401
-    import reward_models.edit_fidelity  # noqa: F401
-    import reward_models.hps  # noqa: F401
-    import reward_models.jpeg  # noqa: F401
-    import reward_models.ocr  # noqa: F401
-    import reward_models.pickscore  # noqa: F401
-    import reward_models.pref_grpo  # noqa: F401
-    import reward_models.remote  # noqa: F401
-    import reward_models.shapes  # noqa: F401
-    import reward_models.shapes_edit  # noqa: F401
-    import reward_models.video  # noqa: F401
+# Built-in rewards by name → the module that registers them. A module is imported only when one of
+# its rewards is asked for, so a missing optional package costs only its own rewards.
+BUILTIN_REWARDS = {
+    "aesthetic": "reward_models.aesthetic",
+    "audio_video": "reward_models.audio_video",
+    "chess_puzzle": "reward_models.chess.reward",
+    "clip_score": "reward_models.clip_score",
+    "edit_fidelity": "reward_models.edit_fidelity",
+    "hpsv2": "reward_models.hps",
+    "jpeg_compressibility": "reward_models.jpeg",
+    "jpeg_incompressibility": "reward_models.jpeg",
+    "ocr": "reward_models.ocr",
+    "per_frame": "reward_models.video",
+    "pickscore": "reward_models.pickscore",
+    "pref_grpo": "reward_models.pref_grpo",
+    "pref_win_rate": "reward_models.pref_grpo",
+    "remote": "reward_models.remote",
+    "shapes": "reward_models.shapes",
+    "shapes_edit": "reward_models.shapes_edit",
+    "temporal_consistency": "reward_models.video",
+}
+# the optional packages a built-in reward needs (import name), checked before its module loads: some
+# import them only when the reward is built (open_clip, pytesseract), and a dry run must see it
+REWARD_PACKAGES = {"chess_puzzle": ("chess",), "clip_score": ("open_clip",), "hpsv2": ("open_clip",),
+                   "ocr": ("pytesseract",), "shapes": ("scipy",), "shapes_edit": ("scipy",)}
+INSTALL = {"chess": "pip install 'chess>=1.10'  (python-chess; the engine: apt-get install stockfish)",
+           "open_clip": "pip install 'flowalign[clip]'  (open-clip-torch)",
+           "pytesseract": "pip install 'flowalign[ocr]'  (the binary: apt-get install tesseract-ocr)",
+           "scipy": "pip install 'scipy>=1.10'"}
 
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name not in _REGISTRY:
-            loaded = ep.load()
-            _REGISTRY[ep.name] = _FunctionFactory(loaded) if is_reward_function(loaded) else loaded
+
+class MissingRewardPackage(ImportError):
+    """A reward's optional package is not installed; the message names it and the pip line."""
+
+
+def _importable(package: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(package) is not None  # None too for a sys.modules[name] = None block
+    except (ImportError, ValueError):
+        return False
+
+
+def _missing(name: str, package: str) -> MissingRewardPackage:
+    install = INSTALL.get(package, f"pip install {package}")
+    return MissingRewardPackage(f"reward {name!r} needs the Python package {package!r}, which is not installed "
+                                f"(the other rewards work without it): {install}")
+
+
+def _plugins() -> dict:
+    """The ``flowalign.rewards`` entry points by name (not loaded: a broken plug-in costs only itself)."""
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
 def available_rewards() -> list[str]:
-    _load_builtins_and_plugins()
-    return sorted(_REGISTRY)
+    """Every reward name: built-in, plug-in, registered in this process. Nothing is imported."""
+    return sorted({*BUILTIN_REWARDS, *_REGISTRY, *_plugins()})
+
+
+def reward_factory(name: str):
+    """What ``build_reward(name, ...)`` calls: a Reward class, factory or ``_FunctionFactory``.
+    Imports the module of a built-in reward (or loads the plug-in) on first use. Raises KeyError
+    for an unknown name, MissingRewardPackage when its optional package is not installed."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if name in BUILTIN_REWARDS:
+        for package in REWARD_PACKAGES.get(name, ()):
+            if not _importable(package):
+                raise _missing(name, package)
+        try:
+            importlib.import_module(BUILTIN_REWARDS[name])  # registers it
+        except ModuleNotFoundError as error:  # a package the table does not list: still only this reward
+            raise _missing(name, (error.name or "?").split(".")[0]) from error
+        return _REGISTRY[name]
+    plugin = _plugins().get(name)
+    if plugin is None:
+        raise KeyError(f"unknown reward {name!r}; available: {', '.join(available_rewards())}")
+    loaded = plugin.load()
+    if name not in _REGISTRY:  # the plug-in module may register it itself
+        _REGISTRY[name] = _FunctionFactory(loaded) if is_reward_function(loaded) else loaded
+    return _REGISTRY[name]
 
 
 def build_reward(name: str, **kwargs) -> Reward:
     """Instantiate a registered reward by name (built-in, plug-in, or registered in a script)."""
-    _load_builtins_and_plugins()
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown reward {name!r}; available: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name](**kwargs)
+    return reward_factory(name)(**kwargs)
