@@ -47,7 +47,8 @@ def no_loading(monkeypatch):
 
 # image-conditioned recipes: their {"prompt", "image"} records are the user's to write
 USER_PROMPTS = {"flux_kontext_flow_grpo_counting_edit.yaml", "qwen_image_edit_flow_grpo_counting_edit.yaml",
-                "wan21_i2v_flow_grpo_temporal.yaml"}
+                "qwen_image_edit_plus_flow_grpo_counting_edit.yaml", "wan21_i2v_flow_grpo_temporal.yaml",
+                "wan22_ti2v_i2v_flow_grpo_temporal.yaml"}
 
 
 def test_the_real_model_recipes_exist():
