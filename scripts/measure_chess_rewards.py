@@ -3,9 +3,15 @@
     python scripts/measure_chess_rewards.py --out docs/chess_rewards.json
 
 Tagger: on a seeded sample of puzzles (default 2,000, seed 0), tag each solution (the position
-after the setup move, the solver's line) and compare with Lichess's themes: precision, recall
-and support per supported theme. The rules were tuned on a different seeded sample that
-excludes these puzzles (seed 12345, ``--tagger-puzzles 2000 --tagger-seed 0`` excluded).
+after the setup move, the solver's line) and compare with Lichess's themes: precision, recall,
+F1 and support per theme, for every supported theme and every Lichess label with at least
+``--min-support`` examples in the sample (except the labels of the source game: master,
+masterVsMaster, superGM); macro-F1 over the latter (a label we cannot produce counts F1 = 0).
+Twice: with the setup move given to the tagger (as Lichess tags) and without it (what a generated
+board offers). The evaluation labels need the engine's score of the last solver move
+(``--eval-nodes``, deeper, ``--eval-deep-nodes``, within 100 cp of a threshold; 0 turns them off).
+The rules were written on a different seeded sample that excludes these puzzles (``--tuning``:
+seed 12345, the measuring sample excluded); run with ``--tuning`` to see that sample instead.
 
 Uniqueness: on another seeded sample (seed 1), in order, until ``--unique-puzzles`` or
 ``--unique-seconds`` run out: ``check_line`` on Lichess's solution (is every solver move the
@@ -28,6 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import chess  # noqa: E402
+
 from flowalign.chess.puzzles import DEFAULT_PUZZLES, Puzzle, read_puzzles, sample_puzzles  # noqa: E402
 from reward_models.chess.engine import SearchLimit, StockfishPool  # noqa: E402
 from reward_models.chess.themes import SUPPORTED_THEMES, tag_themes  # noqa: E402
@@ -38,19 +46,51 @@ def _ratio(a: int, b: int) -> float | None:
     return round(a / b, 4) if b else None
 
 
-def measure_tagger(puzzles: list[Puzzle]) -> dict:
-    """Per supported theme: support (Lichess positives), tagged, tp, precision, recall."""
-    counts = {t: collections.Counter() for t in SUPPORTED_THEMES}
+EXCLUDED_LABELS = ("master", "masterVsMaster", "superGM")  # they describe the source game, not the puzzle
+
+
+def last_move_eval(pool: StockfishPool, p: Puzzle, nodes: int, deep_nodes: int) -> int | None:
+    """The engine's score (cp, solver's view) of the position before the puzzle's last solver move;
+    None for a mating line. Re-searched at ``deep_nodes`` within 100 cp of Lichess's 200/600."""
+    board = p.solver_board()
+    for move in p.solution[:-1]:
+        board.push_uci(move)
+    if board.copy(stack=False).is_checkmate():
+        return None
+    after = board.copy(stack=False)
+    after.push_uci(p.solution[-1])
+    if after.is_checkmate():
+        return None
+    cp = None
+    for n in (nodes, deep_nodes):
+        with pool.engine() as engine:
+            score = engine.analyse(board, multipv=1, limit=SearchLimit(nodes=n, time=60.0))[0]["score"].pov(board.turn)
+        cp = score.score(mate_score=100_000)
+        if not deep_nodes or deep_nodes <= nodes or min(abs(cp - 200), abs(cp - 600)) > 100:
+            break
+    return cp
+
+
+def measure_tagger(puzzles: list[Puzzle], evals: dict[str, int | None], setup: bool, min_support: int) -> dict:
+    """Per theme (supported, or a Lichess label with ≥ ``min_support`` in the sample): support
+    (Lichess positives), tagged, tp, precision, recall, F1; and macro-F1 over the labels."""
+    support = collections.Counter(t for p in puzzles for t in p.themes)
+    labels = [t for t, n in support.most_common() if n >= min_support and t not in EXCLUDED_LABELS]
+    counts = {t: collections.Counter() for t in dict.fromkeys([*SUPPORTED_THEMES, *labels])}
     for p in puzzles:
-        tags = tag_themes(p.solver_board(), p.solution)
+        tags = tag_themes(p.solver_board(), p.solution, setup=(chess.Board(p.fen), p.moves[0]) if setup else None,
+                          eval_cp=evals.get(p.puzzle_id))
         for theme, c in counts.items():
             ours, theirs = theme in tags, theme in p.themes
             c["tp"] += ours and theirs
             c["tagged"] += ours
             c["support"] += theirs
-    return {t: {"support": c["support"], "tagged": c["tagged"], "tp": c["tp"],
-                "precision": _ratio(c["tp"], c["tagged"]), "recall": _ratio(c["tp"], c["support"])}
-            for t, c in counts.items()}
+    themes = {t: {"support": c["support"], "tagged": c["tagged"], "tp": c["tp"],
+                  "precision": _ratio(c["tp"], c["tagged"]), "recall": _ratio(c["tp"], c["support"]),
+                  "f1": _ratio(2 * c["tp"], c["tagged"] + c["support"]), "in_macro": t in labels}
+              for t, c in counts.items()}
+    f1 = [themes[t]["f1"] or 0.0 for t in labels]
+    return {"labels_in_macro": labels, "macro_f1": round(sum(f1) / len(f1), 4), "themes": themes}
 
 
 def measure_uniqueness(puzzles: list[Puzzle], pool: StockfishPool, max_puzzles: int, seconds: float,
@@ -91,10 +131,18 @@ def _stockfish_version(path: str) -> str:
 
 
 def markdown_tables(result: dict) -> str:
-    lines = ["| theme | support | tagged | precision | recall |", "|---|---|---|---|---|"]
-    for theme, r in result["tagger"]["themes"].items():
-        fmt = lambda x: "–" if x is None else f"{x:.2f}"  # noqa: E731
-        lines.append(f"| `{theme}` | {r['support']} | {r['tagged']} | {fmt(r['precision'])} | {fmt(r['recall'])} |")
+    fmt = lambda x: "–" if x is None else f"{x:.2f}"  # noqa: E731
+    with_setup, without = result["tagger"]["with_setup"], result["tagger"]["without_setup"]
+    lines = [f"macro-F1 over {len(with_setup['labels_in_macro'])} labels: {with_setup['macro_f1']} with the setup "
+             f"move, {without['macro_f1']} without", "",
+             "| theme | in macro | support | tagged | precision | recall | F1 | F1 without setup |",
+             "|---|---|---|---|---|---|---|---|"]
+    for theme, r in sorted(with_setup["themes"].items(), key=lambda kv: -kv[1]["support"]):
+        lines.append(f"| `{theme}` | {'yes' if r['in_macro'] else ''} | {r['support']} | {r['tagged']} | "
+                     f"{fmt(r['precision'])} | {fmt(r['recall'])} | {fmt(r['f1'])} | "
+                     f"{fmt(without['themes'][theme]['f1'])} |")
+    if "uniqueness" not in result:
+        return "\n".join(lines)
     u = result["uniqueness"]
     lines += ["", "| puzzles | n | Lichess line unique | position unique (reward) | engine's first move = Lichess's |",
               "|---|---|---|---|---|"]
@@ -111,6 +159,12 @@ def main() -> None:
     ap.add_argument("--puzzles", default=str(DEFAULT_PUZZLES), help="Lichess puzzle CSV")
     ap.add_argument("--tagger-puzzles", type=int, default=2000)
     ap.add_argument("--tagger-seed", type=int, default=0)
+    ap.add_argument("--tuning", action="store_true",
+                    help="tag the tuning sample (seed 12345, 2,000 puzzles, the measuring sample excluded) instead")
+    ap.add_argument("--min-support", type=int, default=50, help="labels with this many examples enter macro-F1")
+    ap.add_argument("--eval-nodes", type=int, default=100_000, help="nodes for the evaluation labels (0: off)")
+    ap.add_argument("--eval-deep-nodes", type=int, default=1_000_000, help="near a threshold, search this deep")
+    ap.add_argument("--skip-uniqueness", action="store_true")
     ap.add_argument("--unique-puzzles", type=int, default=200)
     ap.add_argument("--unique-seconds", type=float, default=300.0, help="stop the uniqueness loop after this")
     ap.add_argument("--unique-seed", type=int, default=1)
@@ -126,9 +180,29 @@ def main() -> None:
                 "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     t0 = time.perf_counter()
     tagger_sample = sample_puzzles(puzzles, args.tagger_puzzles, args.tagger_seed)
-    tagger = {"puzzles": len(tagger_sample), "themes": measure_tagger(tagger_sample),
+    if args.tuning:
+        measured = {p.puzzle_id for p in tagger_sample}
+        tagger_sample = sample_puzzles(puzzles, 2000, 12345, exclude=measured)
+    evals: dict[str, int | None] = {}
+    if args.eval_nodes:
+        with StockfishPool(size=1, limit=SearchLimit(nodes=args.eval_nodes, time=60.0), path=args.stockfish) as pool:
+            evals = {p.puzzle_id: last_move_eval(pool, p, args.eval_nodes, args.eval_deep_nodes)
+                     for p in tagger_sample}
+    eval_seconds = time.perf_counter() - t0
+    tagger = {"puzzles": len(tagger_sample), "tuning_sample": args.tuning, "eval_seconds": round(eval_seconds, 1),
+              "with_setup": measure_tagger(tagger_sample, evals, True, args.min_support),
+              "without_setup": measure_tagger(tagger_sample, evals, False, args.min_support),
               "seconds": round(time.perf_counter() - t0, 1)}
-    print(f"tagger: {len(tagger_sample)} puzzles in {tagger['seconds']} s", flush=True)
+    print(f"tagger: {len(tagger_sample)} puzzles in {tagger['seconds']} s (engine evaluations {eval_seconds:.0f} s); "
+          f"macro-F1 {tagger['with_setup']['macro_f1']} with setup, {tagger['without_setup']['macro_f1']} without",
+          flush=True)
+    if args.skip_uniqueness:
+        result = {"settings": settings, "tagger": tagger}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(markdown_tables(result))
+        print(f"wrote {args.out}")
+        return
 
     unique_sample = sample_puzzles(puzzles, args.unique_puzzles, args.unique_seed)
     limit = SearchLimit(nodes=args.nodes, time=10.0)

@@ -151,6 +151,11 @@ class EngineHandle:
         self._game = object()  # new game id → python-chess sends ucinewgame before the first search
 
     @property
+    def limit(self) -> SearchLimit:
+        """The pool's default search limit (``analyse(limit=...)`` overrides it per search)."""
+        return self._pool.limit
+
+    @property
     def pid(self) -> int:
         return self._pool._engines[self.slot].transport.get_pid()
 
