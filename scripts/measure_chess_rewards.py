@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import platform
@@ -39,7 +40,8 @@ import chess  # noqa: E402
 from flowalign.chess.puzzles import DEFAULT_PUZZLES, Puzzle, read_puzzles, sample_puzzles  # noqa: E402
 from reward_models.chess.engine import SearchLimit, StockfishPool  # noqa: E402
 from reward_models.chess.themes import SUPPORTED_THEMES, tag_themes  # noqa: E402
-from reward_models.chess.uniqueness import check_line, check_position  # noqa: E402
+from reward_models.chess.uniqueness import (DEFAULT_RULE, LICHESS, LineScore, Rule, _judge,  # noqa: E402
+                                             _step)
 
 
 def _ratio(a: int, b: int) -> float | None:
@@ -93,35 +95,72 @@ def measure_tagger(puzzles: list[Puzzle], evals: dict[str, int | None], setup: b
     return {"labels_in_macro": labels, "macro_f1": round(sum(f1) / len(f1), 4), "themes": themes}
 
 
+def _verdict(p: Puzzle, steps: dict[str, list[dict]], rule: Rule, deep: bool) -> str:
+    """Offline verdict on Lichess's line from recorded searches: "unique" or the first failure kind.
+    ``deep``: use the deeper search of a step where one was made (the adaptive rule)."""
+    board = p.solver_board()
+    for i in range(0, len(p.solution), 2):
+        records = steps[board.fen()]
+        rec = records[-1] if deep else records[0]
+        best = LineScore(**rec["best"])
+        second = LineScore(**rec["second"]) if rec["second"] else None
+        problem, _ = _judge(best, second, rule, i == 0, None)
+        if problem:
+            return problem[0]
+        board.push_uci(p.solution[i])
+        if best.move != p.solution[i] and not (best.mate == 1 and board.is_checkmate()):
+            return "engine_disagrees"
+        if i + 1 < len(p.solution):
+            board.push_uci(p.solution[i + 1])
+    return "unique"
+
+
 def measure_uniqueness(puzzles: list[Puzzle], pool: StockfishPool, max_puzzles: int, seconds: float,
-                       max_solver_moves: int) -> dict:
-    """Agreement of ``check_line`` / ``check_position`` with Lichess's (unique) puzzles."""
+                       rule: Rule) -> dict:
+    """Agreement with Lichess's (unique) puzzles of the per-move rule along Lichess's line.
+
+    Every solver move of the line is searched at the base nodes (all of them, even after a
+    failure, so that every rule below can be judged offline from the same searches) and again at
+    ``rule.deep_nodes`` when ``rule`` finds it within ``rule.margin`` of a threshold. Verdicts:
+    the old default rule and Lichess's thresholds on the base searches alone, and Lichess's
+    thresholds with the deeper searches where made (what ``check_line(rule=...)`` decides)."""
     rows, start = [], time.perf_counter()
+    rules = {"default_base": (DEFAULT_RULE, False), "lichess_base": (LICHESS, False), "lichess_adaptive": (rule, True)}
     for p in puzzles[:max_puzzles]:
         if time.perf_counter() - start > seconds:
             break
-        board = p.solver_board()
+        t = time.perf_counter()
+        board, records = p.solver_board(), []
         with pool.engine() as engine:
-            line = check_line(board, p.solution, engine)
-        with pool.engine() as engine:
-            pv = check_position(board, engine, max_solver_moves=max_solver_moves)
+            for i in range(0, len(p.solution), 2):
+                _step(engine, board, rule, i == 0, records)
+                board.push_uci(p.solution[i])
+                if i + 1 < len(p.solution):
+                    board.push_uci(p.solution[i + 1])
+        steps: dict[str, list[dict]] = collections.defaultdict(list)
+        for r in records:
+            steps[r["fen"]].append(r)
         rows.append({"id": p.puzzle_id, "mate": "mate" in p.themes, "solver_moves": p.solver_moves,
-                     "line_kind": line.kind, "line_reason": line.reason, "pv_kind": pv.kind,
-                     "pv_first_is_lichess": pv.first is not None and pv.first.move == p.solution[0],
-                     "pv_line": pv.line})
+                     "seconds": round(time.perf_counter() - t, 2), "nodes": sum(r["nodes"] for r in records),
+                     "base_nodes": sum(r["nodes"] for r in records if r["nodes"] == pool.limit.nodes),
+                     "deep_searches": sum(r["nodes"] != pool.limit.nodes for r in records),
+                     **{name: _verdict(p, steps, r, deep) for name, (r, deep) in rules.items()},
+                     "steps": records})
     elapsed = time.perf_counter() - start
 
     def summary(subset: list[dict]) -> dict:
         n = len(subset)
-        return {"puzzles": n,
-                "line_unique": _ratio(sum(r["line_kind"] == "unique" for r in subset), n),
-                "pv_unique": _ratio(sum(r["pv_kind"] == "unique" for r in subset), n),
-                "pv_first_move_is_lichess": _ratio(sum(r["pv_first_is_lichess"] for r in subset), n),
-                "line_kinds": dict(collections.Counter(r["line_kind"] for r in subset).most_common()),
-                "pv_kinds": dict(collections.Counter(r["pv_kind"] for r in subset).most_common())}
+        out = {"puzzles": n}
+        for name in rules:
+            out[name] = _ratio(sum(r[name] == "unique" for r in subset), n)
+            out[name + "_kinds"] = dict(collections.Counter(r[name] for r in subset).most_common())
+        out["nodes_per_puzzle"] = round(sum(r["nodes"] for r in subset) / max(1, n))
+        out["base_nodes_per_puzzle"] = round(sum(r["base_nodes"] for r in subset) / max(1, n))
+        out["deep_searches_per_puzzle"] = round(sum(r["deep_searches"] for r in subset) / max(1, n), 3)
+        return out
 
     return {"seconds": round(elapsed, 1), "seconds_per_puzzle": round(elapsed / max(1, len(rows)), 3),
-            "all": summary(rows), "mate": summary([r for r in rows if r["mate"]]),
+            "rule": dataclasses.asdict(rule), "all": summary(rows), "mate": summary([r for r in rows if r["mate"]]),
             "not_mate": summary([r for r in rows if not r["mate"]]), "rows": rows}
 
 
@@ -132,7 +171,17 @@ def _stockfish_version(path: str) -> str:
 
 def markdown_tables(result: dict) -> str:
     fmt = lambda x: "–" if x is None else f"{x:.2f}"  # noqa: E731
-    with_setup, without = result["tagger"]["with_setup"], result["tagger"]["without_setup"]
+    if result.get("tagger") is None:
+        lines = []
+    else:
+        lines = _tagger_table(result["tagger"], fmt)
+    if "uniqueness" not in result:
+        return "\n".join(lines)
+    return "\n".join(lines + _uniqueness_table(result["uniqueness"]))
+
+
+def _tagger_table(tagger: dict, fmt) -> list[str]:
+    with_setup, without = tagger["with_setup"], tagger["without_setup"]
     lines = [f"macro-F1 over {len(with_setup['labels_in_macro'])} labels: {with_setup['macro_f1']} with the setup "
              f"move, {without['macro_f1']} without", "",
              "| theme | in macro | support | tagged | precision | recall | F1 | F1 without setup |",
@@ -141,17 +190,20 @@ def markdown_tables(result: dict) -> str:
         lines.append(f"| `{theme}` | {'yes' if r['in_macro'] else ''} | {r['support']} | {r['tagged']} | "
                      f"{fmt(r['precision'])} | {fmt(r['recall'])} | {fmt(r['f1'])} | "
                      f"{fmt(without['themes'][theme]['f1'])} |")
-    if "uniqueness" not in result:
-        return "\n".join(lines)
-    u = result["uniqueness"]
-    lines += ["", "| puzzles | n | Lichess line unique | position unique (reward) | engine's first move = Lichess's |",
-              "|---|---|---|---|---|"]
+    return lines
+
+
+def _uniqueness_table(u: dict) -> list[str]:
+    lines = ["", "| puzzles | n | default rule, base nodes | Lichess thresholds, base nodes | Lichess thresholds, "
+              "deeper where close | nodes per puzzle | deep searches per puzzle |", "|---|---|---|---|---|---|---|"]
     for key in ("all", "mate", "not_mate"):
-        s = u[key]
-        lines.append(f"| {key} | {s['puzzles']} | {s['line_unique']} | {s['pv_unique']} | "
-                     f"{s['pv_first_move_is_lichess']} |")
-    lines += ["", f"line kinds: {u['all']['line_kinds']}", f"position kinds: {u['all']['pv_kinds']}"]
-    return "\n".join(lines)
+        x = u[key]
+        lines.append(f"| {key} | {x['puzzles']} | {x['default_base']} | {x['lichess_base']} | "
+                     f"{x['lichess_adaptive']} | {x['nodes_per_puzzle']} | {x['deep_searches_per_puzzle']} |")
+    lines += ["", f"kinds (adaptive): {u['all']['lichess_adaptive_kinds']}",
+              f"kinds (Lichess, base): {u['all']['lichess_base_kinds']}",
+              f"kinds (default, base): {u['all']['default_base_kinds']}"]
+    return lines
 
 
 def main() -> None:
@@ -165,6 +217,10 @@ def main() -> None:
     ap.add_argument("--eval-nodes", type=int, default=100_000, help="nodes for the evaluation labels (0: off)")
     ap.add_argument("--eval-deep-nodes", type=int, default=1_000_000, help="near a threshold, search this deep")
     ap.add_argument("--skip-uniqueness", action="store_true")
+    ap.add_argument("--skip-tagger", action="store_true")
+    ap.add_argument("--deep-nodes", type=int, default=1_000_000,
+                    help="uniqueness: re-search a step this deep when within --margin of a threshold")
+    ap.add_argument("--margin", type=float, default=0.15)
     ap.add_argument("--unique-puzzles", type=int, default=200)
     ap.add_argument("--unique-seconds", type=float, default=300.0, help="stop the uniqueness loop after this")
     ap.add_argument("--unique-seed", type=int, default=1)
@@ -179,23 +235,25 @@ def main() -> None:
                 "hash_mb": 16, "multipv": 2, "gap": 0.5, "min_first_cp": 200, "python": platform.python_version(),
                 "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     t0 = time.perf_counter()
-    tagger_sample = sample_puzzles(puzzles, args.tagger_puzzles, args.tagger_seed)
+    tagger = None
+    tagger_sample = [] if args.skip_tagger else sample_puzzles(puzzles, args.tagger_puzzles, args.tagger_seed)
     if args.tuning:
         measured = {p.puzzle_id for p in tagger_sample}
         tagger_sample = sample_puzzles(puzzles, 2000, 12345, exclude=measured)
     evals: dict[str, int | None] = {}
-    if args.eval_nodes:
+    if args.eval_nodes and tagger_sample:
         with StockfishPool(size=1, limit=SearchLimit(nodes=args.eval_nodes, time=60.0), path=args.stockfish) as pool:
             evals = {p.puzzle_id: last_move_eval(pool, p, args.eval_nodes, args.eval_deep_nodes)
                      for p in tagger_sample}
     eval_seconds = time.perf_counter() - t0
-    tagger = {"puzzles": len(tagger_sample), "tuning_sample": args.tuning, "eval_seconds": round(eval_seconds, 1),
+    tagger = None if args.skip_tagger else {"puzzles": len(tagger_sample), "tuning_sample": args.tuning, "eval_seconds": round(eval_seconds, 1),
               "with_setup": measure_tagger(tagger_sample, evals, True, args.min_support),
               "without_setup": measure_tagger(tagger_sample, evals, False, args.min_support),
               "seconds": round(time.perf_counter() - t0, 1)}
-    print(f"tagger: {len(tagger_sample)} puzzles in {tagger['seconds']} s (engine evaluations {eval_seconds:.0f} s); "
-          f"macro-F1 {tagger['with_setup']['macro_f1']} with setup, {tagger['without_setup']['macro_f1']} without",
-          flush=True)
+    if tagger:
+        print(f"tagger: {len(tagger_sample)} puzzles in {tagger['seconds']} s (engine evaluations {eval_seconds:.0f} s); "
+              f"macro-F1 {tagger['with_setup']['macro_f1']} with setup, {tagger['without_setup']['macro_f1']} without",
+              flush=True)
     if args.skip_uniqueness:
         result = {"settings": settings, "tagger": tagger}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -209,8 +267,8 @@ def main() -> None:
     with StockfishPool(size=1, limit=limit, path=args.stockfish, threads=1, hash_mb=16) as pool:
         settings["stockfish"] = f"{pool.path} ({_stockfish_version(pool.path)})"
         print("settings:", json.dumps({k: v for k, v in settings.items() if k != "command"}), flush=True)
-        uniqueness = measure_uniqueness(unique_sample, pool, args.unique_puzzles, args.unique_seconds,
-                                        args.max_solver_moves)
+        rule = dataclasses.replace(LICHESS, deep_nodes=args.deep_nodes, margin=args.margin)
+        uniqueness = measure_uniqueness(unique_sample, pool, args.unique_puzzles, args.unique_seconds, rule)
     result = {"settings": settings, "tagger": tagger, "uniqueness": uniqueness}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
