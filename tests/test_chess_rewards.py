@@ -77,6 +77,26 @@ def test_step_problem_rules():
     assert step_problem(LineScore("a", cp=100), LineScore("b", mate=-2)) is None  # W 0.18 vs −1
 
 
+def test_lichess_rule_by_hand():
+    from reward_models.chess.uniqueness import DEFAULT_RULE, LICHESS, _judge
+
+    # W(600) = 2/(1+e^{-2.209248}) − 1 = 0.80210, W(100) = 0.18206: gap 0.620 < 0.7 fails Lichess, passes 0.5
+    problem, slack = _judge(LineScore("a", cp=600), LineScore("b", cp=100), LICHESS, True, None)
+    assert problem[0] == "close_second" and slack == pytest.approx(0.62004 - 0.7, abs=1e-4)
+    assert _judge(LineScore("a", cp=600), LineScore("b", cp=100), DEFAULT_RULE, True, None)[0] is None
+    problem, slack = _judge(LineScore("a", cp=600), LineScore("b", cp=0), LICHESS, True, None)
+    assert problem is None and slack == pytest.approx(0.80210 - 0.7, abs=1e-4)
+    # a mate in 2 whose alternative wins 200 cp (W 0.352): 1 − 0.352 < 0.7 for Lichess; fine by default
+    assert _judge(LineScore("a", mate=2), LineScore("b", cp=200), LICHESS, True, None)[0][0] == "close_second"
+    assert _judge(LineScore("a", mate=2), LineScore("b", cp=200), DEFAULT_RULE, True, None)[0] is None
+    # a mate in 1 whose best non-mating move wins 500 cp (W 0.726 > 0.6): not a Lichess puzzle
+    assert _judge(LineScore("a", mate=1), LineScore("b", cp=500), LICHESS, True, None)[0][0] == "close_second"
+    assert _judge(LineScore("a", mate=1), LineScore("b", mate=1), LICHESS, True, LineScore("c", cp=100))[0] is None
+    # every solver move ≥ 200 cp for Lichess, only the first by default
+    assert _judge(LineScore("a", cp=150), LineScore("b", cp=-900), LICHESS, False, None)[0][0] == "not_winning"
+    assert _judge(LineScore("a", cp=150), LineScore("b", cp=-900), DEFAULT_RULE, False, None)[0] is None
+
+
 # --- the Stockfish pool ------------------------------------------------------------------------
 
 def _wait_dead(pid: int, timeout: float = 5.0) -> None:
@@ -206,6 +226,24 @@ def test_mate_in_two_line_and_rejections():
     assert (result.unique, result.line, result.mate) == (True, ["e2e8", "c8e8", "e1e8"], True)
     assert _check(START).kind == "not_winning"
     assert _check("R5k1/5ppp/8/8/8/8/8/6K1 b - - 0 1").kind == "game_over"  # already mated
+
+
+@needs_stockfish
+def test_lichess_rule_searches_close_steps_deeper():
+    import dataclasses
+
+    from reward_models.chess.uniqueness import LICHESS
+
+    rule = dataclasses.replace(LICHESS, deep_nodes=40_000)
+    twin = _check(TWO_CAPTURES, rule=rule)  # a failing step (two equal captures) is searched again, deeper
+    assert twin.unique is False and [s["nodes"] for s in twin.steps] == [20_000, 40_000]
+    # mate in one; the best other move (Kf2) keeps a rook up, ≈ 310 cp, W ≈ 0.52: within 0.15 of Lichess's
+    # 0.6 limit, so searched again; still ≤ 0.6 deeper: unique, and the deeper search decided
+    mate = _check(BACK_RANK_M1, rule=rule)
+    assert mate.unique and [s["nodes"] for s in mate.steps] == [20_000, 40_000]
+    assert all(0 < s["slack"] < 0.15 for s in mate.steps)
+    shallow = _check(BACK_RANK_M1, rule=LICHESS)  # no deep_nodes: the base search decides alone
+    assert shallow.unique and [s["nodes"] for s in shallow.steps] == [20_000]
 
 
 @needs_stockfish
