@@ -39,7 +39,7 @@ import chess  # noqa: E402
 
 from flowalign.chess.puzzles import DEFAULT_PUZZLES, Puzzle, read_puzzles, sample_puzzles  # noqa: E402
 from reward_models.chess.engine import SearchLimit, StockfishPool  # noqa: E402
-from reward_models.chess.themes import SUPPORTED_THEMES, tag_themes  # noqa: E402
+from reward_models.chess.themes import EVAL_SCALE, SUPPORTED_THEMES, tag_themes  # noqa: E402
 from reward_models.chess.uniqueness import (DEFAULT_RULE, LICHESS, LineScore, Rule, _judge,  # noqa: E402
                                              _step)
 
@@ -73,7 +73,8 @@ def last_move_eval(pool: StockfishPool, p: Puzzle, nodes: int, deep_nodes: int) 
     return cp
 
 
-def measure_tagger(puzzles: list[Puzzle], evals: dict[str, int | None], setup: bool, min_support: int) -> dict:
+def measure_tagger(puzzles: list[Puzzle], evals: dict[str, int | None], setup: bool, min_support: int,
+                   eval_scale: float) -> dict:
     """Per theme (supported, or a Lichess label with ≥ ``min_support`` in the sample): support
     (Lichess positives), tagged, tp, precision, recall, F1; and macro-F1 over the labels."""
     support = collections.Counter(t for p in puzzles for t in p.themes)
@@ -81,7 +82,7 @@ def measure_tagger(puzzles: list[Puzzle], evals: dict[str, int | None], setup: b
     counts = {t: collections.Counter() for t in dict.fromkeys([*SUPPORTED_THEMES, *labels])}
     for p in puzzles:
         tags = tag_themes(p.solver_board(), p.solution, setup=(chess.Board(p.fen), p.moves[0]) if setup else None,
-                          eval_cp=evals.get(p.puzzle_id))
+                          eval_cp=evals.get(p.puzzle_id), eval_scale=eval_scale)
         for theme, c in counts.items():
             ours, theirs = theme in tags, theme in p.themes
             c["tp"] += ours and theirs
@@ -115,17 +116,52 @@ def _verdict(p: Puzzle, steps: dict[str, list[dict]], rule: Rule, deep: bool) ->
     return "unique"
 
 
+def uniqueness_rules(rule: Rule) -> dict[str, tuple[Rule, bool]]:
+    """The rules judged offline from one set of searches: name → (rule, use the deeper searches)."""
+    scaled = dataclasses.replace(rule, cp_scale=EVAL_SCALE)
+    return {"default_base": (DEFAULT_RULE, False), "lichess_base": (LICHESS, False), "lichess_adaptive": (rule, True),
+            "lichess_scaled_base": (dataclasses.replace(LICHESS, cp_scale=EVAL_SCALE), False),
+            "lichess_scaled_adaptive": (scaled, True)}
+
+
+def summarise_uniqueness(rows: list[dict], rules: dict, seconds: float, rule: Rule) -> dict:
+    def summary(subset: list[dict]) -> dict:
+        n = len(subset)
+        out = {"puzzles": n}
+        for name in rules:
+            out[name] = _ratio(sum(r[name] == "unique" for r in subset), n)
+            out[name + "_kinds"] = dict(collections.Counter(r[name] for r in subset).most_common())
+        out["nodes_per_puzzle"] = round(sum(r["nodes"] for r in subset) / max(1, n))
+        out["base_nodes_per_puzzle"] = round(sum(r["base_nodes"] for r in subset) / max(1, n))
+        out["deep_searches_per_puzzle"] = round(sum(r["deep_searches"] for r in subset) / max(1, n), 3)
+        out["seconds_per_puzzle"] = round(sum(r["seconds"] for r in subset) / max(1, n), 2)
+        return out
+
+    return {"seconds": round(seconds, 1), "seconds_per_puzzle": round(seconds / max(1, len(rows)), 3),
+            "rule": dataclasses.asdict(rule), "all": summary(rows), "mate": summary([r for r in rows if r["mate"]]),
+            "not_mate": summary([r for r in rows if not r["mate"]]), "rows": rows}
+
+
+def add_verdicts(rows: list[dict], puzzles: dict[str, Puzzle], rules: dict) -> None:
+    for row in rows:
+        steps: dict[str, list[dict]] = collections.defaultdict(list)
+        for r in row["steps"]:
+            steps[r["fen"]].append(r)
+        for name, (rule, deep) in rules.items():
+            row[name] = _verdict(puzzles[row["id"]], steps, rule, deep)
+
+
 def measure_uniqueness(puzzles: list[Puzzle], pool: StockfishPool, max_puzzles: int, seconds: float,
                        rule: Rule) -> dict:
     """Agreement with Lichess's (unique) puzzles of the per-move rule along Lichess's line.
 
     Every solver move of the line is searched at the base nodes (all of them, even after a
-    failure, so that every rule below can be judged offline from the same searches) and again at
-    ``rule.deep_nodes`` when ``rule`` finds it within ``rule.margin`` of a threshold. Verdicts:
-    the old default rule and Lichess's thresholds on the base searches alone, and Lichess's
-    thresholds with the deeper searches where made (what ``check_line(rule=...)`` decides)."""
+    failure, so that every rule of ``uniqueness_rules`` can be judged offline from the same
+    searches) and again at ``rule.deep_nodes`` when ``rule`` finds it within ``rule.margin`` of a
+    threshold. Verdicts: the old default rule and Lichess's thresholds on the base searches
+    alone; Lichess's thresholds with the deeper searches where made; both again with our cp
+    scaled to Lichess's (``themes.EVAL_SCALE``)."""
     rows, start = [], time.perf_counter()
-    rules = {"default_base": (DEFAULT_RULE, False), "lichess_base": (LICHESS, False), "lichess_adaptive": (rule, True)}
     for p in puzzles[:max_puzzles]:
         if time.perf_counter() - start > seconds:
             break
@@ -137,31 +173,13 @@ def measure_uniqueness(puzzles: list[Puzzle], pool: StockfishPool, max_puzzles: 
                 board.push_uci(p.solution[i])
                 if i + 1 < len(p.solution):
                     board.push_uci(p.solution[i + 1])
-        steps: dict[str, list[dict]] = collections.defaultdict(list)
-        for r in records:
-            steps[r["fen"]].append(r)
         rows.append({"id": p.puzzle_id, "mate": "mate" in p.themes, "solver_moves": p.solver_moves,
                      "seconds": round(time.perf_counter() - t, 2), "nodes": sum(r["nodes"] for r in records),
                      "base_nodes": sum(r["nodes"] for r in records if r["nodes"] == pool.limit.nodes),
-                     "deep_searches": sum(r["nodes"] != pool.limit.nodes for r in records),
-                     **{name: _verdict(p, steps, r, deep) for name, (r, deep) in rules.items()},
-                     "steps": records})
-    elapsed = time.perf_counter() - start
-
-    def summary(subset: list[dict]) -> dict:
-        n = len(subset)
-        out = {"puzzles": n}
-        for name in rules:
-            out[name] = _ratio(sum(r[name] == "unique" for r in subset), n)
-            out[name + "_kinds"] = dict(collections.Counter(r[name] for r in subset).most_common())
-        out["nodes_per_puzzle"] = round(sum(r["nodes"] for r in subset) / max(1, n))
-        out["base_nodes_per_puzzle"] = round(sum(r["base_nodes"] for r in subset) / max(1, n))
-        out["deep_searches_per_puzzle"] = round(sum(r["deep_searches"] for r in subset) / max(1, n), 3)
-        return out
-
-    return {"seconds": round(elapsed, 1), "seconds_per_puzzle": round(elapsed / max(1, len(rows)), 3),
-            "rule": dataclasses.asdict(rule), "all": summary(rows), "mate": summary([r for r in rows if r["mate"]]),
-            "not_mate": summary([r for r in rows if not r["mate"]]), "rows": rows}
+                     "deep_searches": sum(r["nodes"] != pool.limit.nodes for r in records), "steps": records})
+    rules = uniqueness_rules(rule)
+    add_verdicts(rows, {p.puzzle_id: p for p in puzzles}, rules)
+    return summarise_uniqueness(rows, rules, time.perf_counter() - start, rule)
 
 
 def _stockfish_version(path: str) -> str:
@@ -194,15 +212,15 @@ def _tagger_table(tagger: dict, fmt) -> list[str]:
 
 
 def _uniqueness_table(u: dict) -> list[str]:
-    lines = ["", "| puzzles | n | default rule, base nodes | Lichess thresholds, base nodes | Lichess thresholds, "
-              "deeper where close | nodes per puzzle | deep searches per puzzle |", "|---|---|---|---|---|---|---|"]
+    names = [n for n in ("default_base", "lichess_base", "lichess_adaptive", "lichess_scaled_base",
+                         "lichess_scaled_adaptive") if n in u["all"]]
+    lines = ["", "| puzzles | n | " + " | ".join(names) + " | nodes per puzzle | deep searches per puzzle | s per puzzle |",
+             "|---|---|" + "---|" * (len(names) + 3)]
     for key in ("all", "mate", "not_mate"):
         x = u[key]
-        lines.append(f"| {key} | {x['puzzles']} | {x['default_base']} | {x['lichess_base']} | "
-                     f"{x['lichess_adaptive']} | {x['nodes_per_puzzle']} | {x['deep_searches_per_puzzle']} |")
-    lines += ["", f"kinds (adaptive): {u['all']['lichess_adaptive_kinds']}",
-              f"kinds (Lichess, base): {u['all']['lichess_base_kinds']}",
-              f"kinds (default, base): {u['all']['default_base_kinds']}"]
+        lines.append(f"| {key} | {x['puzzles']} | " + " | ".join(str(x[n]) for n in names)
+                     + f" | {x['nodes_per_puzzle']} | {x['deep_searches_per_puzzle']} | {x.get('seconds_per_puzzle')} |")
+    lines += [""] + [f"kinds ({n}): {u['all'][n + '_kinds']}" for n in names]
     return lines
 
 
@@ -216,11 +234,14 @@ def main() -> None:
     ap.add_argument("--min-support", type=int, default=50, help="labels with this many examples enter macro-F1")
     ap.add_argument("--eval-nodes", type=int, default=100_000, help="nodes for the evaluation labels (0: off)")
     ap.add_argument("--eval-deep-nodes", type=int, default=1_000_000, help="near a threshold, search this deep")
+    ap.add_argument("--eval-scale", type=float, default=EVAL_SCALE, help="our cp → Lichess's cp (themes.EVAL_SCALE)")
     ap.add_argument("--skip-uniqueness", action="store_true")
     ap.add_argument("--skip-tagger", action="store_true")
     ap.add_argument("--deep-nodes", type=int, default=1_000_000,
                     help="uniqueness: re-search a step this deep when within --margin of a threshold")
     ap.add_argument("--margin", type=float, default=0.15)
+    ap.add_argument("--rescore", default=None, metavar="JSON",
+                    help="recompute the uniqueness verdicts of an earlier --out from its recorded searches")
     ap.add_argument("--unique-puzzles", type=int, default=200)
     ap.add_argument("--unique-seconds", type=float, default=300.0, help="stop the uniqueness loop after this")
     ap.add_argument("--unique-seed", type=int, default=1)
@@ -231,6 +252,16 @@ def main() -> None:
     args = ap.parse_args()
 
     puzzles = read_puzzles(args.puzzles)
+    if args.rescore:
+        result = json.loads(Path(args.rescore).read_text())
+        u = result["uniqueness"]
+        rule = Rule(**u["rule"])
+        rules = uniqueness_rules(rule)
+        add_verdicts(u["rows"], {p.puzzle_id: p for p in puzzles}, rules)
+        result["uniqueness"] = summarise_uniqueness(u["rows"], rules, u["seconds"], rule)
+        Path(args.rescore).write_text(json.dumps(result, indent=1) + "\n")
+        print("\n".join(_uniqueness_table(result["uniqueness"])))
+        return
     settings = {**vars(args), "command": " ".join(["python", *sys.argv]), "engines": 1, "threads": 1,
                 "hash_mb": 16, "multipv": 2, "gap": 0.5, "min_first_cp": 200, "python": platform.python_version(),
                 "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
@@ -247,8 +278,9 @@ def main() -> None:
                      for p in tagger_sample}
     eval_seconds = time.perf_counter() - t0
     tagger = None if args.skip_tagger else {"puzzles": len(tagger_sample), "tuning_sample": args.tuning, "eval_seconds": round(eval_seconds, 1),
-              "with_setup": measure_tagger(tagger_sample, evals, True, args.min_support),
-              "without_setup": measure_tagger(tagger_sample, evals, False, args.min_support),
+              "with_setup": measure_tagger(tagger_sample, evals, True, args.min_support, args.eval_scale),
+              "without_setup": measure_tagger(tagger_sample, evals, False, args.min_support, args.eval_scale),
+              "evals": evals,
               "seconds": round(time.perf_counter() - t0, 1)}
     if tagger:
         print(f"tagger: {len(tagger_sample)} puzzles in {tagger['seconds']} s (engine evaluations {eval_seconds:.0f} s); "

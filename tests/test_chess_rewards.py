@@ -333,6 +333,10 @@ def test_evaluation_labels_use_lichess_thresholds():
         "equality", "equality", "advantage", "advantage", "crushing", "crushing"]
     tags = tag_themes(chess.Board(TWO_CAPTURES), ["g2d5"], eval_cp=850)
     assert "crushing" in tags and not tags & {"advantage", "equality"}
+    # our cp is scaled by EVAL_SCALE = 1.3 first: 470 · 1.3 = 611 > 600 is crushing, 460 · 1.3 = 598 is not
+    assert "crushing" in tag_themes(chess.Board(TWO_CAPTURES), ["g2d5"], eval_cp=470)
+    assert "advantage" in tag_themes(chess.Board(TWO_CAPTURES), ["g2d5"], eval_cp=460)
+    assert "crushing" in tag_themes(chess.Board(TWO_CAPTURES), ["g2d5"], eval_cp=601, eval_scale=1.0)
     assert not tag_themes(chess.Board(TWO_CAPTURES), ["g2d5"]) & {"advantage", "crushing", "equality"}
     assert not tag_themes(chess.Board(BACK_RANK_M1), ["a1a8"], eval_cp=850) & {"crushing"}  # a mate has no eval label
 

@@ -19,7 +19,11 @@ moves); ``mate`` and ``mateIn1`` … ``mateIn5`` (5 = five or more) when the lin
 
 Evaluation (only when ``eval_cp`` is given and the line does not mate; Lichess's thresholds on
 its generator's score of the last solver move, solver's view): ``crushing`` above 600 cp,
-``advantage`` above 200, else ``equality``.
+``advantage`` above 200, else ``equality``. Lichess's scores come from far deeper searches of
+other Stockfish versions, on a larger centipawn scale than Stockfish 15.1's at our nodes, so our
+score is multiplied by ``EVAL_SCALE`` (1.3) first: the factor that agreed best with Lichess's
+labels on 250 non-mate puzzles of the tuning sample at 30,000 nodes (agreement 163/250 at
+1.0, 193/250 at 1.3; Stockfish's own change of scale in 15.1, 361/208 = 1.74, gave 164/250).
 
 Mate patterns, on the final position (K = the mated king), at most one, first match wins:
 - ``smotheredMate``: a knight checks and every square next to K holds one of K's own pieces.
@@ -67,6 +71,7 @@ from reward_models.chess.uniqueness import win_chance
 LENGTH_THEMES = ("oneMove", "short", "long", "veryLong")
 MATE_THEMES = ("mate", "mateIn1", "mateIn2", "mateIn3", "mateIn4", "mateIn5")
 EVAL_THEMES = ("advantage", "crushing", "equality")
+EVAL_SCALE = 1.3  # our engine's cp → Lichess's generator's cp (see the module docstring)
 
 
 # --- mate patterns (final position) -------------------------------------------------------------
@@ -284,8 +289,9 @@ SUPPORTED_THEMES: tuple[str, ...] = (
     "endgame", *ENDGAME_THEMES)
 
 
-def tag_line(line: Line, eval_cp: int | None = None) -> set[str]:
-    """Themes of a replayed solution (see the module docstring); ``eval_cp`` adds the evaluation label."""
+def tag_line(line: Line, eval_cp: int | None = None, eval_scale: float = EVAL_SCALE) -> set[str]:
+    """Themes of a replayed solution (see the module docstring); ``eval_cp`` (our engine's score of
+    the last solver move, solver's view) adds the evaluation label of ``eval_cp · eval_scale``."""
     n = len(line.solver_plies)
     tags = {LENGTH_THEMES[min(n, 4) - 1]}
     if line.final.is_checkmate():
@@ -293,7 +299,7 @@ def tag_line(line: Line, eval_cp: int | None = None) -> set[str]:
         if pattern := mate_pattern(line):
             tags.add(pattern)
     elif eval_cp is not None:
-        tags.add(eval_theme(eval_cp))
+        tags.add(eval_theme(eval_cp * eval_scale))
     tags |= {name for name, detect in MOVE_MOTIFS.items() if detect(line)}
     if "backRankMate" not in tags and "fork" not in tags:
         if motifs.kingside_attack(line):
@@ -307,7 +313,8 @@ def tag_line(line: Line, eval_cp: int | None = None) -> set[str]:
 
 
 def tag_themes(board: chess.Board, solution: Sequence[str | chess.Move],
-               setup: tuple[chess.Board, str | chess.Move] | None = None, eval_cp: int | None = None) -> set[str]:
+               setup: tuple[chess.Board, str | chess.Move] | None = None, eval_cp: int | None = None,
+               eval_scale: float = EVAL_SCALE) -> set[str]:
     """Themes of ``solution`` played from ``board`` (solver to move); ``setup`` = (position before,
     move) of the opponent's move into ``board`` when known; ``eval_cp`` = the engine's score of
     the last solver move (solver's view) for the evaluation label.
@@ -315,4 +322,4 @@ def tag_themes(board: chess.Board, solution: Sequence[str | chess.Move],
     >>> sorted(tag_themes(chess.Board("6k1/5ppp/8/8/8/8/8/R5K1 w - - 0 1"), ["a1a8"]))
     ['backRankMate', 'endgame', 'mate', 'mateIn1', 'oneMove', 'rookEndgame']
     """
-    return tag_line(replay(board, solution, setup), eval_cp)
+    return tag_line(replay(board, solution, setup), eval_cp, eval_scale)

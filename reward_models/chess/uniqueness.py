@@ -115,7 +115,9 @@ class Rule:
     and a longer mate's alternatives count too (Lichess), else only a second *mate* breaks a mate;
     min_first_cp: the first move's score (cp) at least; ``every_move_cp``: every solver move's too;
     mate_in_one_max: at a mate in one, the best non-mating move's W at most this (None: no limit);
-    deep_nodes / margin: re-search a step at ``deep_nodes`` when its slack is below ``margin``.
+    deep_nodes / margin: re-search a step at ``deep_nodes`` when its slack is below ``margin``;
+    cp_scale: multiply the engine's cp by this before judging (Lichess's thresholds were set on
+    deeper searches of other Stockfish versions, on a larger scale: ``themes.EVAL_SCALE``).
     """
 
     gap: float = 0.5
@@ -125,6 +127,7 @@ class Rule:
     mate_in_one_max: float | None = None
     deep_nodes: int | None = None
     margin: float = 0.15
+    cp_scale: float = 1.0
 
 
 DEFAULT_RULE = Rule()
@@ -166,10 +169,16 @@ def _mates_in_one(board: chess.Board) -> int:
     return count
 
 
+def _scaled(score: LineScore | None, k: float) -> LineScore | None:
+    return score if score is None or score.cp is None else dataclasses.replace(score, cp=round(score.cp * k))
+
+
 def _judge(best: LineScore, second: LineScore | None, rule: Rule, first_move: bool,
            non_mating: LineScore | None) -> tuple[tuple[str, str] | None, float]:
     """(problem or None, slack): how far, in win chance, the step is from its nearest threshold
     (negative when it fails). ``non_mating``: the best non-mating move at a mate in one."""
+    if rule.cp_scale != 1.0:
+        best, second, non_mating = (_scaled(x, rule.cp_scale) for x in (best, second, non_mating))
     slacks, problem = [], None
     if not best.mates and (first_move or rule.every_move_cp):
         cp = -10**6 if best.mate is not None else best.cp
