@@ -396,6 +396,18 @@ def test_chess_puzzle_reward_components():
     assert out["best_move"].tolist()[:2] == [1, 0] and math.isnan(out["best_move"][2])
 
 
+@needs_stockfish
+def test_chess_puzzle_reward_lichess_rule_and_evaluation_label():
+    reward = build_reward("chess_puzzle", nodes=20_000, rule="lichess", deep_nodes=40_000)
+    out = reward([BACK_RANK_M1, TWO_CAPTURES], ["", ""], [{"themes": "mateIn1"}, {}])
+    verdicts = reward.judge([TWO_CAPTURES], [{}])
+    reward.close()
+    assert out["unique"].tolist() == [1, 0] and out["yield"].tolist() == [1, 0]
+    assert verdicts[0].uniqueness.steps[-1]["nodes"] == 40_000  # the failing first move was searched deeper
+    with pytest.raises(ValueError, match="rule must be one of"):
+        ChessPuzzleReward(rule="strict")
+
+
 def test_chess_puzzle_reward_names_unknown_themes():
     with pytest.raises(ValueError, match="cannot produce \\['zugzwang'\\]"):
         ChessPuzzleReward().judge([BACK_RANK_M1], [{"themes": ["zugzwang"]}])
