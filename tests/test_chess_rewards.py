@@ -399,10 +399,12 @@ def test_chess_puzzle_reward_components():
 @needs_stockfish
 def test_chess_puzzle_reward_lichess_rule_and_evaluation_label():
     reward = build_reward("chess_puzzle", nodes=20_000, rule="lichess", deep_nodes=40_000)
-    out = reward([BACK_RANK_M1, TWO_CAPTURES], ["", ""], [{"themes": "mateIn1"}, {}])
+    smothered = "6rk/6pp/8/6N1/8/8/8/6K1 w - - 0 1"  # Nf7# or a knight against a rook: only the mate wins
+    out = reward([smothered, BACK_RANK_M1, TWO_CAPTURES], [""] * 3, [{"themes": "smotheredMate"}, {}, {}])
     verdicts = reward.judge([TWO_CAPTURES], [{}])
     reward.close()
-    assert out["unique"].tolist() == [1, 0] and out["yield"].tolist() == [1, 0]
+    # BACK_RANK_M1 is a mate in one, but any other move keeps a rook up (W > 0.6): not a Lichess puzzle
+    assert out["unique"].tolist() == [1, 0, 0] and out["yield"].tolist() == [1, 0, 0]
     assert verdicts[0].uniqueness.steps[-1]["nodes"] == 40_000  # the failing first move was searched deeper
     with pytest.raises(ValueError, match="rule must be one of"):
         ChessPuzzleReward(rule="strict")
