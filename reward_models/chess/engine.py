@@ -229,8 +229,14 @@ class StockfishPool:
     def _watched_analyse(self, engine: chess.engine.SimpleEngine, board: chess.Board, limit: chess.engine.Limit,
                          multipv: int, game: object, info: chess.engine.Info) -> list[dict]:
         """``engine.analyse`` with ``SearchWatch`` as its deadline instead of python-chess's wall clock."""
+        if engine.protocol.loop.is_closed() or engine.returncode.done():
+            raise chess.engine.EngineTerminatedError("engine process is gone (its event loop has closed)")
         coro = engine.protocol.analyse(board, limit, multipv=multipv, game=game, info=info)
-        future = asyncio.run_coroutine_threadsafe(coro, engine.protocol.loop)
+        try:
+            future = asyncio.run_coroutine_threadsafe(coro, engine.protocol.loop)
+        except RuntimeError as exc:  # the loop closed between the check and the call: the engine died
+            coro.close()
+            raise chess.engine.EngineTerminatedError(f"engine process is gone ({exc})") from exc
         watch = SearchWatch(engine.transport.get_pid(), budget=limit.time + self.grace, idle=self.grace,
                             max_wait=max(self.max_wait, limit.time + self.grace),
                             answered=lambda: _unread_output(engine))
