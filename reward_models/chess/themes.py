@@ -53,9 +53,9 @@ Endgame types, on the starting position and after the first solver move: ``pawnE
 (kings and pawns), ``queenEndgame`` / ``rookEndgame`` / ``bishopEndgame`` / ``knightEndgame``
 (only that piece type besides kings and pawns), ``queenRookEndgame`` (one queen, rooks, pawns).
 
-Not tagged: ``zugzwang`` (``motifs``-free, engine-only: ``zugzwang()`` here takes an evaluation
-callback and is not part of ``tag_line``), ``collinear``, the game-history themes (``master``,
-…) and the rarest mate patterns (Opera, Pillsbury, …).
+Not tagged: ``zugzwang`` (Lichess decides it with extra engine searches: ``zugzwang()`` here
+takes an evaluation callback and is not part of ``tag_line``), ``collinear``, the game-history
+themes (``master``, …) and the rarest mate patterns (Opera, Pillsbury, …).
 """
 
 from __future__ import annotations
