@@ -150,7 +150,8 @@ def cmd_grid(args) -> int:
     prompts = args.prompt or [p["prompt"] for p in load_prompts(args.prompts)][: args.max_prompts]
     seeds, policies = _seeds(args), resolve_policies(args.policies)
     model, family, loading = _model_loading(args)
-    per_policy = [sample_images(load_policy(p, model, family, **loading), prompts, seeds, args.steps or 10, args.guidance)
+    per_policy = [sample_images(load_policy(p, model, family, **loading), prompts, seeds, args.steps or 10,
+                                args.guidance)
                   for p in policies]
     if per_policy[0].ndim == 5:  # videos: one GIF per cell next to the contact-sheet grid
         gif_dir = Path(args.out).with_suffix("")

@@ -214,12 +214,14 @@ def _tagger_table(tagger: dict, fmt) -> list[str]:
 def _uniqueness_table(u: dict) -> list[str]:
     names = [n for n in ("default_base", "lichess_base", "lichess_adaptive", "lichess_scaled_base",
                          "lichess_scaled_adaptive") if n in u["all"]]
-    lines = ["", "| puzzles | n | " + " | ".join(names) + " | nodes per puzzle | deep searches per puzzle | s per puzzle |",
+    lines = ["", "| puzzles | n | " + " | ".join(names)
+             + " | nodes per puzzle | deep searches per puzzle | s per puzzle |",
              "|---|---|" + "---|" * (len(names) + 3)]
     for key in ("all", "mate", "not_mate"):
         x = u[key]
         lines.append(f"| {key} | {x['puzzles']} | " + " | ".join(str(x[n]) for n in names)
-                     + f" | {x['nodes_per_puzzle']} | {x['deep_searches_per_puzzle']} | {x.get('seconds_per_puzzle')} |")
+                     + f" | {x['nodes_per_puzzle']} | {x['deep_searches_per_puzzle']} | "
+                       f"{x.get('seconds_per_puzzle')} |")
     lines += [""] + [f"kinds ({n}): {u['all'][n + '_kinds']}" for n in names]
     return lines
 
@@ -277,7 +279,8 @@ def main() -> None:
             evals = {p.puzzle_id: last_move_eval(pool, p, args.eval_nodes, args.eval_deep_nodes)
                      for p in tagger_sample}
     eval_seconds = time.perf_counter() - t0
-    tagger = None if args.skip_tagger else {"puzzles": len(tagger_sample), "tuning_sample": args.tuning, "eval_seconds": round(eval_seconds, 1),
+    tagger = None if args.skip_tagger else {
+              "puzzles": len(tagger_sample), "tuning_sample": args.tuning, "eval_seconds": round(eval_seconds, 1),
               "with_setup": measure_tagger(tagger_sample, evals, True, args.min_support, args.eval_scale),
               "without_setup": measure_tagger(tagger_sample, evals, False, args.min_support, args.eval_scale),
               "evals": evals,

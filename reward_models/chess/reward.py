@@ -110,8 +110,9 @@ class ChessPuzzleReward(Reward):
     search limited to ``nodes`` (capped at ``time_limit`` s); ``gap``, ``min_first_cp`` and
     ``max_solver_moves`` as in ``uniqueness.check_position``; ``rule``: "default" (gap 0.5) or
     "lichess" (Lichess's generator thresholds, ``uniqueness.LICHESS``, on our cp × ``EVAL_SCALE``;
-    ``gap`` / ``min_first_cp`` still override), with ``deep_nodes`` to re-search close steps deeper. The evaluation themes
-    (advantage, crushing, equality) come from the engine's score of the line's last solver move. The engines start at the first
+    ``gap`` / ``min_first_cp`` still override), with ``deep_nodes`` to re-search close steps
+    deeper. The evaluation themes (advantage, crushing, equality) come from the engine's score of
+    the line's last solver move. The engines start at the first
     call and stop with ``close()`` (or when the reward is garbage-collected).
     """
 
