@@ -46,7 +46,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="attention backend (default: auto: xformers on CUDA when installed, else sdpa)")
     p.add_argument("--model-kwargs", default=None, metavar="MAPPING",
                    help="adapter options as a YAML/JSON mapping, e.g. '{max_sequence_length: 256}' (model.kwargs)")
-    p.add_argument("--steps", type=int, default=10, help="sampling steps (ODE)")
+    p.add_argument("--steps", type=int, default=None, help="sampling steps (default: 10 ODE steps; chess: 16 "
+                                                           "unmasking steps)")
     p.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale")
     p.add_argument("--seeds", default="0,1,2,3",
                    help="comma-separated seeds; the same seed gives the same initial noise under every policy "
@@ -170,7 +171,8 @@ def cmd_grid(args) -> int:
     seeds, policies = _seeds(args), resolve_policies(args.policies)
     model, family, loading = _model_loading(args)
     # records, not prompt strings: an image-conditioned family encodes each record's "image" with its prompt
-    per_policy = [sample_images(load_policy(p, model, family, **loading), records, seeds, args.steps, args.guidance)
+    per_policy = [sample_images(load_policy(p, model, family, **loading), records, seeds, args.steps or 10,
+                                args.guidance)
                   for p in policies]
     if per_policy[0].ndim == 5:  # videos: one GIF per cell next to the contact-sheet grid
         gif_dir = Path(args.out).with_suffix("")
@@ -200,7 +202,7 @@ def cmd_eval(args) -> int:
     rewards = {name: build_reward(name) for name in args.rewards.split(",")}
     model, family, loading = _model_loading(args)
     summary = evaluate(resolve_policies(args.policies), records, rewards, args.out, model=model, family=family,
-                       seeds=_seeds(args), steps=args.steps, guidance=args.guidance, loading=loading)
+                       seeds=_seeds(args), steps=args.steps or 10, guidance=args.guidance, loading=loading)
     for label, entry in summary.items():
         print(label + ": " + ", ".join(f"{k} {metric_cell(entry, k)}" for k, v in entry.items()
                                        if isinstance(v, float) and not is_change_key(k)))
@@ -241,19 +243,59 @@ def cmd_reward_server(args) -> int:
 
 
 def cmd_sample(args) -> int:
+    seeds = _seeds(args)
+    model, family, loading = _model_loading(args)
+    if family == "chess":
+        return _sample_chess(args, model, loading, seeds)
+    if args.partial_fen is not None:
+        from flowalign.config import ConfigError
+
+        raise ConfigError(f"--partial-fen is for the chess family; model {model!r} is of family {family!r}")
     from torchvision.utils import save_image
 
     from flowalign.evaluation import Policy, load_policy, sample_images
 
     policy = Policy("trained", args.weights) if args.weights else Policy("base", None)
-    seeds = _seeds(args)
-    model, family, loading = _model_loading(args)
     record = _records([args.prompt], [args.image] if args.image else None)
-    images = sample_images(load_policy(policy, model, family, **loading), record, seeds, args.steps, args.guidance)
+    images = sample_images(load_policy(policy, model, family, **loading), record, seeds, args.steps or 10,
+                           args.guidance)
     for seed, image in zip(seeds, images):
         path = args.out.replace("{seed}", str(seed)) if "{seed}" in args.out else f"{args.out[:-4]}-{seed}.png"
         save_image(image, path)
         print(f"wrote {path}")
+    return 0
+
+
+def _sample_chess(args, model: str, loading: dict, seeds: list[int]) -> int:
+    """Chess puzzles for the theme request ``args.prompt`` around ``--partial-fen``, judged by
+    Stockfish (unless --no-engine), written as PGN or CSV (+ SVG diagrams with --boards)."""
+    from flowalign.chess import sampling
+    from pipelines.chess import ChessAdapter
+
+    from flowalign.config import ConfigError
+
+    out = Path(args.out)
+    if out.suffix not in (".pgn", ".csv"):
+        raise ConfigError(f"chess: --out must end in .pgn or .csv (puzzles with their solutions), got {args.out!r}")
+    reward = None
+    if not args.no_engine:
+        from reward_models.chess.reward import ChessPuzzleReward, _requested_themes
+
+        _requested_themes({"themes": args.prompt})  # an unknown theme fails here, before the model loads
+        reward = ChessPuzzleReward(nodes=args.nodes)
+    adapter = ChessAdapter.from_pretrained(model, dtype=loading["dtype"], trained=args.weights)
+    steps = args.steps if args.steps is not None else 16
+    try:
+        puzzles = sampling.generate(adapter.pipe, args.prompt, seeds, partial_fen=args.partial_fen, fixed=args.fixed,
+                                    num_steps=steps, guidance_scale=args.guidance, reward=reward)
+    finally:
+        if reward is not None:
+            reward.close()
+    (sampling.write_pgn if out.suffix == ".pgn" else sampling.write_csv)(puzzles, out)
+    print(sampling.summary(puzzles))
+    print(f"wrote {out}")
+    if args.boards:
+        print(f"wrote {len(sampling.write_boards(puzzles, args.boards))} diagrams to {args.boards}")
     return 0
 
 
@@ -390,13 +432,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", default=None, help="another hub's URL (default: huggingface_hub's, HF_ENDPOINT)")
     p.set_defaults(func=cmd_push)
 
-    p = sub.add_parser("sample", help="images for one prompt, one file per seed")
+    p = sub.add_parser("sample", help="images for one prompt, one file per seed (chess: puzzles to PGN/CSV)",
+                       description="Images for one prompt, one file per seed. For a chess model (--model chess-md) "
+                                   "the prompt is a theme request (\"fork short\"), one puzzle per seed; "
+                                   "--partial-fen fixes squares, and --out puzzles.pgn / .csv gets each board with "
+                                   "Stockfish's solution and the themes found on it.")
     _add_model_args(p)
     p.add_argument("--weights", default=None, help="trained weights: a run's final/ or a checkpoint's policy/")
     p.add_argument("prompt")
     p.add_argument("--image", default=None, help="the input image of an image-conditioned family (several inputs "
                    "separated by |)")
-    p.add_argument("--out", default="sample-{seed}.png", help="output path; {seed} is replaced")
+    p.add_argument("--out", default="sample-{seed}.png", help="output path; {seed} is replaced (chess: .pgn or .csv)")
+    p.add_argument("--partial-fen", default=None, metavar="FEN",
+                   help="chess: a board whose --fixed squares every puzzle keeps (the rest is generated)")
+    p.add_argument("--fixed", default="pieces",
+                   help="chess: what of --partial-fen to keep, a comma list of 'pieces' (its occupied squares), "
+                        "square names, 'turn', 'castling', 'ep' or 'all' (default: pieces)")
+    p.add_argument("--nodes", type=int, default=100_000, help="chess: Stockfish nodes per search")
+    p.add_argument("--no-engine", action="store_true", help="chess: boards only (legality, no solution)")
+    p.add_argument("--boards", default=None, metavar="DIR", help="chess: also write an SVG diagram per legal puzzle")
     p.set_defaults(func=cmd_sample)
     return parser
 

@@ -32,8 +32,8 @@ from torch import nn
 
 from pipelines import chess_tokenizer as tokenizer
 
-# The themes the chess_puzzle reward's tagger can produce (reward_models.chess.themes
-# .SUPPORTED_THEMES at the time the demo model was trained; a test checks they still agree). A
+# The themes the chess_puzzle reward's tagger could produce when the demo model was trained (a
+# subset of reward_models.chess.themes.SUPPORTED_THEMES now; a test checks it stays one). A
 # model stores its own list in its config, so a later change here does not shift a saved model's
 # multi-hot layout.
 THEMES: tuple[str, ...] = (

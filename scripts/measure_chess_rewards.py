@@ -3,9 +3,15 @@
     python scripts/measure_chess_rewards.py --out docs/chess_rewards.json
 
 Tagger: on a seeded sample of puzzles (default 2,000, seed 0), tag each solution (the position
-after the setup move, the solver's line) and compare with Lichess's themes: precision, recall
-and support per supported theme. The rules were tuned on a different seeded sample that
-excludes these puzzles (seed 12345, ``--tagger-puzzles 2000 --tagger-seed 0`` excluded).
+after the setup move, the solver's line) and compare with Lichess's themes: precision, recall,
+F1 and support per theme, for every supported theme and every Lichess label with at least
+``--min-support`` examples in the sample (except the labels of the source game: master,
+masterVsMaster, superGM); macro-F1 over the latter (a label we cannot produce counts F1 = 0).
+Twice: with the setup move given to the tagger (as Lichess tags) and without it (what a generated
+board offers). The evaluation labels need the engine's score of the last solver move
+(``--eval-nodes``, deeper, ``--eval-deep-nodes``, within 100 cp of a threshold; 0 turns them off).
+The rules were written on a different seeded sample that excludes these puzzles (``--tuning``:
+seed 12345, the measuring sample excluded); run with ``--tuning`` to see that sample instead.
 
 Uniqueness: on another seeded sample (seed 1), in order, until ``--unique-puzzles`` or
 ``--unique-seconds`` run out: ``check_line`` on Lichess's solution (is every solver move the
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import platform
@@ -28,61 +35,151 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import chess  # noqa: E402
+
 from flowalign.chess.puzzles import DEFAULT_PUZZLES, Puzzle, read_puzzles, sample_puzzles  # noqa: E402
 from reward_models.chess.engine import SearchLimit, StockfishPool  # noqa: E402
-from reward_models.chess.themes import SUPPORTED_THEMES, tag_themes  # noqa: E402
-from reward_models.chess.uniqueness import check_line, check_position  # noqa: E402
+from reward_models.chess.themes import EVAL_SCALE, SUPPORTED_THEMES, tag_themes  # noqa: E402
+from reward_models.chess.uniqueness import (DEFAULT_RULE, LICHESS, LineScore, Rule, _judge,  # noqa: E402
+                                             _step)
 
 
 def _ratio(a: int, b: int) -> float | None:
     return round(a / b, 4) if b else None
 
 
-def measure_tagger(puzzles: list[Puzzle]) -> dict:
-    """Per supported theme: support (Lichess positives), tagged, tp, precision, recall."""
-    counts = {t: collections.Counter() for t in SUPPORTED_THEMES}
+EXCLUDED_LABELS = ("master", "masterVsMaster", "superGM")  # they describe the source game, not the puzzle
+
+
+def last_move_eval(pool: StockfishPool, p: Puzzle, nodes: int, deep_nodes: int) -> int | None:
+    """The engine's score (cp, solver's view) of the position before the puzzle's last solver move;
+    None for a mating line. Re-searched at ``deep_nodes`` within 100 cp of Lichess's 200/600."""
+    board = p.solver_board()
+    for move in p.solution[:-1]:
+        board.push_uci(move)
+    if board.copy(stack=False).is_checkmate():
+        return None
+    after = board.copy(stack=False)
+    after.push_uci(p.solution[-1])
+    if after.is_checkmate():
+        return None
+    cp = None
+    for n in (nodes, deep_nodes):
+        with pool.engine() as engine:
+            score = engine.analyse(board, multipv=1, limit=SearchLimit(nodes=n, time=60.0))[0]["score"].pov(board.turn)
+        cp = score.score(mate_score=100_000)
+        if not deep_nodes or deep_nodes <= nodes or min(abs(cp - 200), abs(cp - 600)) > 100:
+            break
+    return cp
+
+
+def measure_tagger(puzzles: list[Puzzle], evals: dict[str, int | None], setup: bool, min_support: int,
+                   eval_scale: float) -> dict:
+    """Per theme (supported, or a Lichess label with ≥ ``min_support`` in the sample): support
+    (Lichess positives), tagged, tp, precision, recall, F1; and macro-F1 over the labels."""
+    support = collections.Counter(t for p in puzzles for t in p.themes)
+    labels = [t for t, n in support.most_common() if n >= min_support and t not in EXCLUDED_LABELS]
+    counts = {t: collections.Counter() for t in dict.fromkeys([*SUPPORTED_THEMES, *labels])}
     for p in puzzles:
-        tags = tag_themes(p.solver_board(), p.solution)
+        tags = tag_themes(p.solver_board(), p.solution, setup=(chess.Board(p.fen), p.moves[0]) if setup else None,
+                          eval_cp=evals.get(p.puzzle_id), eval_scale=eval_scale)
         for theme, c in counts.items():
             ours, theirs = theme in tags, theme in p.themes
             c["tp"] += ours and theirs
             c["tagged"] += ours
             c["support"] += theirs
-    return {t: {"support": c["support"], "tagged": c["tagged"], "tp": c["tp"],
-                "precision": _ratio(c["tp"], c["tagged"]), "recall": _ratio(c["tp"], c["support"])}
-            for t, c in counts.items()}
+    themes = {t: {"support": c["support"], "tagged": c["tagged"], "tp": c["tp"],
+                  "precision": _ratio(c["tp"], c["tagged"]), "recall": _ratio(c["tp"], c["support"]),
+                  "f1": _ratio(2 * c["tp"], c["tagged"] + c["support"]), "in_macro": t in labels}
+              for t, c in counts.items()}
+    f1 = [themes[t]["f1"] or 0.0 for t in labels]
+    return {"labels_in_macro": labels, "macro_f1": round(sum(f1) / len(f1), 4), "themes": themes}
+
+
+def _verdict(p: Puzzle, steps: dict[str, list[dict]], rule: Rule, deep: bool) -> str:
+    """Offline verdict on Lichess's line from recorded searches: "unique" or the first failure kind.
+    ``deep``: use the deeper search of a step where one was made (the adaptive rule)."""
+    board = p.solver_board()
+    for i in range(0, len(p.solution), 2):
+        records = steps[board.fen()]
+        rec = records[-1] if deep else records[0]
+        best = LineScore(**rec["best"])
+        second = LineScore(**rec["second"]) if rec["second"] else None
+        problem, _ = _judge(best, second, rule, i == 0, None)
+        if problem:
+            return problem[0]
+        board.push_uci(p.solution[i])
+        if best.move != p.solution[i] and not (best.mate == 1 and board.is_checkmate()):
+            return "engine_disagrees"
+        if i + 1 < len(p.solution):
+            board.push_uci(p.solution[i + 1])
+    return "unique"
+
+
+def uniqueness_rules(rule: Rule) -> dict[str, tuple[Rule, bool]]:
+    """The rules judged offline from one set of searches: name → (rule, use the deeper searches)."""
+    scaled = dataclasses.replace(rule, cp_scale=EVAL_SCALE)
+    return {"default_base": (DEFAULT_RULE, False), "lichess_base": (LICHESS, False), "lichess_adaptive": (rule, True),
+            "lichess_scaled_base": (dataclasses.replace(LICHESS, cp_scale=EVAL_SCALE), False),
+            "lichess_scaled_adaptive": (scaled, True)}
+
+
+def summarise_uniqueness(rows: list[dict], rules: dict, seconds: float, rule: Rule) -> dict:
+    def summary(subset: list[dict]) -> dict:
+        n = len(subset)
+        out = {"puzzles": n}
+        for name in rules:
+            out[name] = _ratio(sum(r[name] == "unique" for r in subset), n)
+            out[name + "_kinds"] = dict(collections.Counter(r[name] for r in subset).most_common())
+        out["nodes_per_puzzle"] = round(sum(r["nodes"] for r in subset) / max(1, n))
+        out["base_nodes_per_puzzle"] = round(sum(r["base_nodes"] for r in subset) / max(1, n))
+        out["deep_searches_per_puzzle"] = round(sum(r["deep_searches"] for r in subset) / max(1, n), 3)
+        out["seconds_per_puzzle"] = round(sum(r["seconds"] for r in subset) / max(1, n), 2)
+        return out
+
+    return {"seconds": round(seconds, 1), "seconds_per_puzzle": round(seconds / max(1, len(rows)), 3),
+            "rule": dataclasses.asdict(rule), "all": summary(rows), "mate": summary([r for r in rows if r["mate"]]),
+            "not_mate": summary([r for r in rows if not r["mate"]]), "rows": rows}
+
+
+def add_verdicts(rows: list[dict], puzzles: dict[str, Puzzle], rules: dict) -> None:
+    for row in rows:
+        steps: dict[str, list[dict]] = collections.defaultdict(list)
+        for r in row["steps"]:
+            steps[r["fen"]].append(r)
+        for name, (rule, deep) in rules.items():
+            row[name] = _verdict(puzzles[row["id"]], steps, rule, deep)
 
 
 def measure_uniqueness(puzzles: list[Puzzle], pool: StockfishPool, max_puzzles: int, seconds: float,
-                       max_solver_moves: int) -> dict:
-    """Agreement of ``check_line`` / ``check_position`` with Lichess's (unique) puzzles."""
+                       rule: Rule) -> dict:
+    """Agreement with Lichess's (unique) puzzles of the per-move rule along Lichess's line.
+
+    Every solver move of the line is searched at the base nodes (all of them, even after a
+    failure, so that every rule of ``uniqueness_rules`` can be judged offline from the same
+    searches) and again at ``rule.deep_nodes`` when ``rule`` finds it within ``rule.margin`` of a
+    threshold. Verdicts: the old default rule and Lichess's thresholds on the base searches
+    alone; Lichess's thresholds with the deeper searches where made; both again with our cp
+    scaled to Lichess's (``themes.EVAL_SCALE``)."""
     rows, start = [], time.perf_counter()
     for p in puzzles[:max_puzzles]:
         if time.perf_counter() - start > seconds:
             break
-        board = p.solver_board()
+        t = time.perf_counter()
+        board, records = p.solver_board(), []
         with pool.engine() as engine:
-            line = check_line(board, p.solution, engine)
-        with pool.engine() as engine:
-            pv = check_position(board, engine, max_solver_moves=max_solver_moves)
+            for i in range(0, len(p.solution), 2):
+                _step(engine, board, rule, i == 0, records)
+                board.push_uci(p.solution[i])
+                if i + 1 < len(p.solution):
+                    board.push_uci(p.solution[i + 1])
         rows.append({"id": p.puzzle_id, "mate": "mate" in p.themes, "solver_moves": p.solver_moves,
-                     "line_kind": line.kind, "line_reason": line.reason, "pv_kind": pv.kind,
-                     "pv_first_is_lichess": pv.first is not None and pv.first.move == p.solution[0],
-                     "pv_line": pv.line})
-    elapsed = time.perf_counter() - start
-
-    def summary(subset: list[dict]) -> dict:
-        n = len(subset)
-        return {"puzzles": n,
-                "line_unique": _ratio(sum(r["line_kind"] == "unique" for r in subset), n),
-                "pv_unique": _ratio(sum(r["pv_kind"] == "unique" for r in subset), n),
-                "pv_first_move_is_lichess": _ratio(sum(r["pv_first_is_lichess"] for r in subset), n),
-                "line_kinds": dict(collections.Counter(r["line_kind"] for r in subset).most_common()),
-                "pv_kinds": dict(collections.Counter(r["pv_kind"] for r in subset).most_common())}
-
-    return {"seconds": round(elapsed, 1), "seconds_per_puzzle": round(elapsed / max(1, len(rows)), 3),
-            "all": summary(rows), "mate": summary([r for r in rows if r["mate"]]),
-            "not_mate": summary([r for r in rows if not r["mate"]]), "rows": rows}
+                     "seconds": round(time.perf_counter() - t, 2), "nodes": sum(r["nodes"] for r in records),
+                     "base_nodes": sum(r["nodes"] for r in records if r["nodes"] == pool.limit.nodes),
+                     "deep_searches": sum(r["nodes"] != pool.limit.nodes for r in records), "steps": records})
+    rules = uniqueness_rules(rule)
+    add_verdicts(rows, {p.puzzle_id: p for p in puzzles}, rules)
+    return summarise_uniqueness(rows, rules, time.perf_counter() - start, rule)
 
 
 def _stockfish_version(path: str) -> str:
@@ -91,19 +188,42 @@ def _stockfish_version(path: str) -> str:
 
 
 def markdown_tables(result: dict) -> str:
-    lines = ["| theme | support | tagged | precision | recall |", "|---|---|---|---|---|"]
-    for theme, r in result["tagger"]["themes"].items():
-        fmt = lambda x: "–" if x is None else f"{x:.2f}"  # noqa: E731
-        lines.append(f"| `{theme}` | {r['support']} | {r['tagged']} | {fmt(r['precision'])} | {fmt(r['recall'])} |")
-    u = result["uniqueness"]
-    lines += ["", "| puzzles | n | Lichess line unique | position unique (reward) | engine's first move = Lichess's |",
-              "|---|---|---|---|---|"]
+    fmt = lambda x: "–" if x is None else f"{x:.2f}"  # noqa: E731
+    if result.get("tagger") is None:
+        lines = []
+    else:
+        lines = _tagger_table(result["tagger"], fmt)
+    if "uniqueness" not in result:
+        return "\n".join(lines)
+    return "\n".join(lines + _uniqueness_table(result["uniqueness"]))
+
+
+def _tagger_table(tagger: dict, fmt) -> list[str]:
+    with_setup, without = tagger["with_setup"], tagger["without_setup"]
+    lines = [f"macro-F1 over {len(with_setup['labels_in_macro'])} labels: {with_setup['macro_f1']} with the setup "
+             f"move, {without['macro_f1']} without", "",
+             "| theme | in macro | support | tagged | precision | recall | F1 | F1 without setup |",
+             "|---|---|---|---|---|---|---|---|"]
+    for theme, r in sorted(with_setup["themes"].items(), key=lambda kv: -kv[1]["support"]):
+        lines.append(f"| `{theme}` | {'yes' if r['in_macro'] else ''} | {r['support']} | {r['tagged']} | "
+                     f"{fmt(r['precision'])} | {fmt(r['recall'])} | {fmt(r['f1'])} | "
+                     f"{fmt(without['themes'][theme]['f1'])} |")
+    return lines
+
+
+def _uniqueness_table(u: dict) -> list[str]:
+    names = [n for n in ("default_base", "lichess_base", "lichess_adaptive", "lichess_scaled_base",
+                         "lichess_scaled_adaptive") if n in u["all"]]
+    lines = ["", "| puzzles | n | " + " | ".join(names)
+             + " | nodes per puzzle | deep searches per puzzle | s per puzzle |",
+             "|---|---|" + "---|" * (len(names) + 3)]
     for key in ("all", "mate", "not_mate"):
-        s = u[key]
-        lines.append(f"| {key} | {s['puzzles']} | {s['line_unique']} | {s['pv_unique']} | "
-                     f"{s['pv_first_move_is_lichess']} |")
-    lines += ["", f"line kinds: {u['all']['line_kinds']}", f"position kinds: {u['all']['pv_kinds']}"]
-    return "\n".join(lines)
+        x = u[key]
+        lines.append(f"| {key} | {x['puzzles']} | " + " | ".join(str(x[n]) for n in names)
+                     + f" | {x['nodes_per_puzzle']} | {x['deep_searches_per_puzzle']} | "
+                       f"{x.get('seconds_per_puzzle')} |")
+    lines += [""] + [f"kinds ({n}): {u['all'][n + '_kinds']}" for n in names]
+    return lines
 
 
 def main() -> None:
@@ -111,6 +231,19 @@ def main() -> None:
     ap.add_argument("--puzzles", default=str(DEFAULT_PUZZLES), help="Lichess puzzle CSV")
     ap.add_argument("--tagger-puzzles", type=int, default=2000)
     ap.add_argument("--tagger-seed", type=int, default=0)
+    ap.add_argument("--tuning", action="store_true",
+                    help="tag the tuning sample (seed 12345, 2,000 puzzles, the measuring sample excluded) instead")
+    ap.add_argument("--min-support", type=int, default=50, help="labels with this many examples enter macro-F1")
+    ap.add_argument("--eval-nodes", type=int, default=100_000, help="nodes for the evaluation labels (0: off)")
+    ap.add_argument("--eval-deep-nodes", type=int, default=1_000_000, help="near a threshold, search this deep")
+    ap.add_argument("--eval-scale", type=float, default=EVAL_SCALE, help="our cp → Lichess's cp (themes.EVAL_SCALE)")
+    ap.add_argument("--skip-uniqueness", action="store_true")
+    ap.add_argument("--skip-tagger", action="store_true")
+    ap.add_argument("--deep-nodes", type=int, default=1_000_000,
+                    help="uniqueness: re-search a step this deep when within --margin of a threshold")
+    ap.add_argument("--margin", type=float, default=0.15)
+    ap.add_argument("--rescore", default=None, metavar="JSON",
+                    help="recompute the uniqueness verdicts of an earlier --out from its recorded searches")
     ap.add_argument("--unique-puzzles", type=int, default=200)
     ap.add_argument("--unique-seconds", type=float, default=300.0, help="stop the uniqueness loop after this")
     ap.add_argument("--unique-seed", type=int, default=1)
@@ -121,22 +254,56 @@ def main() -> None:
     args = ap.parse_args()
 
     puzzles = read_puzzles(args.puzzles)
+    if args.rescore:
+        result = json.loads(Path(args.rescore).read_text())
+        u = result["uniqueness"]
+        rule = Rule(**u["rule"])
+        rules = uniqueness_rules(rule)
+        add_verdicts(u["rows"], {p.puzzle_id: p for p in puzzles}, rules)
+        result["uniqueness"] = summarise_uniqueness(u["rows"], rules, u["seconds"], rule)
+        Path(args.rescore).write_text(json.dumps(result, indent=1) + "\n")
+        print("\n".join(_uniqueness_table(result["uniqueness"])))
+        return
     settings = {**vars(args), "command": " ".join(["python", *sys.argv]), "engines": 1, "threads": 1,
                 "hash_mb": 16, "multipv": 2, "gap": 0.5, "min_first_cp": 200, "python": platform.python_version(),
                 "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     t0 = time.perf_counter()
-    tagger_sample = sample_puzzles(puzzles, args.tagger_puzzles, args.tagger_seed)
-    tagger = {"puzzles": len(tagger_sample), "themes": measure_tagger(tagger_sample),
+    tagger = None
+    tagger_sample = [] if args.skip_tagger else sample_puzzles(puzzles, args.tagger_puzzles, args.tagger_seed)
+    if args.tuning:
+        measured = {p.puzzle_id for p in tagger_sample}
+        tagger_sample = sample_puzzles(puzzles, 2000, 12345, exclude=measured)
+    evals: dict[str, int | None] = {}
+    if args.eval_nodes and tagger_sample:
+        with StockfishPool(size=1, limit=SearchLimit(nodes=args.eval_nodes, time=60.0), path=args.stockfish) as pool:
+            evals = {p.puzzle_id: last_move_eval(pool, p, args.eval_nodes, args.eval_deep_nodes)
+                     for p in tagger_sample}
+    eval_seconds = time.perf_counter() - t0
+    tagger = None if args.skip_tagger else {
+              "puzzles": len(tagger_sample), "tuning_sample": args.tuning, "eval_seconds": round(eval_seconds, 1),
+              "with_setup": measure_tagger(tagger_sample, evals, True, args.min_support, args.eval_scale),
+              "without_setup": measure_tagger(tagger_sample, evals, False, args.min_support, args.eval_scale),
+              "evals": evals,
               "seconds": round(time.perf_counter() - t0, 1)}
-    print(f"tagger: {len(tagger_sample)} puzzles in {tagger['seconds']} s", flush=True)
+    if tagger:
+        print(f"tagger: {len(tagger_sample)} puzzles in {tagger['seconds']} s (engine evaluations {eval_seconds:.0f} s); "
+              f"macro-F1 {tagger['with_setup']['macro_f1']} with setup, {tagger['without_setup']['macro_f1']} without",
+              flush=True)
+    if args.skip_uniqueness:
+        result = {"settings": settings, "tagger": tagger}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(markdown_tables(result))
+        print(f"wrote {args.out}")
+        return
 
     unique_sample = sample_puzzles(puzzles, args.unique_puzzles, args.unique_seed)
     limit = SearchLimit(nodes=args.nodes, time=10.0)
     with StockfishPool(size=1, limit=limit, path=args.stockfish, threads=1, hash_mb=16) as pool:
         settings["stockfish"] = f"{pool.path} ({_stockfish_version(pool.path)})"
         print("settings:", json.dumps({k: v for k, v in settings.items() if k != "command"}), flush=True)
-        uniqueness = measure_uniqueness(unique_sample, pool, args.unique_puzzles, args.unique_seconds,
-                                        args.max_solver_moves)
+        rule = dataclasses.replace(LICHESS, deep_nodes=args.deep_nodes, margin=args.margin)
+        uniqueness = measure_uniqueness(unique_sample, pool, args.unique_puzzles, args.unique_seconds, rule)
     result = {"settings": settings, "tagger": tagger, "uniqueness": uniqueness}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

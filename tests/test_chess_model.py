@@ -187,7 +187,9 @@ def test_gradient_step_raises_the_log_prob_of_a_positive_advantage_sample():
 def test_theme_list_is_the_reward_taggers():
     from reward_models.chess.themes import SUPPORTED_THEMES
 
-    assert THEMES == tuple(SUPPORTED_THEMES)
+    # the shipped model's 41 themes are all still produced by the tagger (which now knows more: a model
+    # conditioned on those needs retraining with its own list, stored in its config)
+    assert set(THEMES) <= set(SUPPORTED_THEMES) and len(THEMES) == 41
     with pytest.raises(ValueError, match="unknown theme"):
         tiny_model().encode_themes(["fork notATheme"])
 

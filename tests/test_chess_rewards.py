@@ -13,7 +13,7 @@ import torch
 
 from pipelines import chess_tokenizer as tokenizer
 from reward_models.base import available_rewards, build_reward
-from reward_models.chess.engine import EngineFailure, SearchLimit, StockfishPool, find_stockfish
+from reward_models.chess.engine import EngineFailure, SearchLimit, SearchWatch, StockfishPool, find_stockfish
 from reward_models.chess.legality import is_legal, legality_problems
 from reward_models.chess.reward import ChessPuzzleReward
 from reward_models.chess.themes import SUPPORTED_THEMES, tag_themes
@@ -77,6 +77,26 @@ def test_step_problem_rules():
     assert step_problem(LineScore("a", cp=100), LineScore("b", mate=-2)) is None  # W 0.18 vs −1
 
 
+def test_lichess_rule_by_hand():
+    from reward_models.chess.uniqueness import DEFAULT_RULE, LICHESS, _judge
+
+    # W(600) = 2/(1+e^{-2.209248}) − 1 = 0.80210, W(100) = 0.18206: gap 0.620 < 0.7 fails Lichess, passes 0.5
+    problem, slack = _judge(LineScore("a", cp=600), LineScore("b", cp=100), LICHESS, True, None)
+    assert problem[0] == "close_second" and slack == pytest.approx(0.62004 - 0.7, abs=1e-4)
+    assert _judge(LineScore("a", cp=600), LineScore("b", cp=100), DEFAULT_RULE, True, None)[0] is None
+    problem, slack = _judge(LineScore("a", cp=600), LineScore("b", cp=0), LICHESS, True, None)
+    assert problem is None and slack == pytest.approx(0.80210 - 0.7, abs=1e-4)
+    # a mate in 2 whose alternative wins 200 cp (W 0.352): 1 − 0.352 < 0.7 for Lichess; fine by default
+    assert _judge(LineScore("a", mate=2), LineScore("b", cp=200), LICHESS, True, None)[0][0] == "close_second"
+    assert _judge(LineScore("a", mate=2), LineScore("b", cp=200), DEFAULT_RULE, True, None)[0] is None
+    # a mate in 1 whose best non-mating move wins 500 cp (W 0.726 > 0.6): not a Lichess puzzle
+    assert _judge(LineScore("a", mate=1), LineScore("b", cp=500), LICHESS, True, None)[0][0] == "close_second"
+    assert _judge(LineScore("a", mate=1), LineScore("b", mate=1), LICHESS, True, LineScore("c", cp=100))[0] is None
+    # every solver move ≥ 200 cp for Lichess, only the first by default
+    assert _judge(LineScore("a", cp=150), LineScore("b", cp=-900), LICHESS, False, None)[0][0] == "not_winning"
+    assert _judge(LineScore("a", cp=150), LineScore("b", cp=-900), DEFAULT_RULE, False, None)[0] is None
+
+
 # --- the Stockfish pool ------------------------------------------------------------------------
 
 def _wait_dead(pid: int, timeout: float = 5.0) -> None:
@@ -105,13 +125,39 @@ def test_pool_survives_a_killed_engine():
 
 @needs_stockfish
 def test_pool_restarts_a_hung_engine():
-    with StockfishPool(size=1, limit=SearchLimit(nodes=20_000, time=0.3), grace=0.5) as pool:
+    # A stopped engine is caught by the idle rule (grace of no CPU and no runnable thread), not by
+    # the wall-clock backstop; the restarted engine's search then succeeds however loaded the machine.
+    with StockfishPool(size=1, limit=SearchLimit(nodes=20_000, time=0.3), grace=0.5, max_wait=60) as pool:
         (pid,) = pool.pids()
         os.kill(pid, signal.SIGSTOP)  # alive but silent
-        start = time.monotonic()
         assert pool.analyse(chess.Board(BACK_RANK_M1))[0]["pv"][0].uci() == "a1a8"
-        assert time.monotonic() - start < 5 and pool.pids() != [pid]
+        assert pool.pids() != [pid]
+        assert len(pool.restart_reasons) == 1 and pool.restart_reasons[0].startswith("idle"), pool.restart_reasons
         _wait_dead(pid)  # the stopped process was killed, not left behind
+
+
+def _watch_until_hung(proc, **kw) -> str:
+    watch = SearchWatch(proc.pid, **kw)
+    while (why := watch.hung()) is None:
+        time.sleep(0.02)
+    return why
+
+
+def test_search_watch_tells_spinning_sleeping_and_answering_processes_apart():
+    import subprocess
+    import sys
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    sleep = subprocess.Popen(["sleep", "60"])
+    try:
+        # a spinning process is hung once it has used its CPU budget, however long that takes in wall time
+        assert _watch_until_hung(spin, budget=0.3, idle=60, max_wait=120).startswith("used 0.")
+        # a sleeping one once it has been idle for `idle` seconds
+        assert _watch_until_hung(sleep, budget=60, idle=0.2, max_wait=120).startswith("idle")
+        # one whose answer is waiting unread is never idle: only the backstop ends the wait
+        assert _watch_until_hung(sleep, budget=60, idle=0.1, max_wait=0.5, answered=lambda: True).startswith(
+            "no answer after")
+    finally:
+        spin.kill(), sleep.kill(), spin.wait(), sleep.wait()
 
 
 @pytest.fixture
@@ -183,6 +229,24 @@ def test_mate_in_two_line_and_rejections():
 
 
 @needs_stockfish
+def test_lichess_rule_searches_close_steps_deeper():
+    import dataclasses
+
+    from reward_models.chess.uniqueness import LICHESS
+
+    rule = dataclasses.replace(LICHESS, deep_nodes=40_000)
+    twin = _check(TWO_CAPTURES, rule=rule)  # a failing step (two equal captures) is searched again, deeper
+    assert twin.unique is False and [s["nodes"] for s in twin.steps] == [20_000, 40_000]
+    # mate in one; the best other move (Kf2) keeps a rook up, ≈ 310 cp, W ≈ 0.52: within 0.15 of Lichess's
+    # 0.6 limit, so searched again; still ≤ 0.6 deeper: unique, and the deeper search decided
+    mate = _check(BACK_RANK_M1, rule=rule)
+    assert mate.unique and [s["nodes"] for s in mate.steps] == [20_000, 40_000]
+    assert all(0 < s["slack"] < 0.15 for s in mate.steps)
+    shallow = _check(BACK_RANK_M1, rule=LICHESS)  # no deep_nodes: the base search decides alone
+    assert shallow.unique and [s["nodes"] for s in shallow.steps] == [20_000]
+
+
+@needs_stockfish
 def test_check_line_against_a_given_solution():
     with StockfishPool(size=1, limit=FAST) as pool:
         with pool.engine() as engine:
@@ -202,7 +266,8 @@ def test_check_line_against_a_given_solution():
     ("7k/7p/5r2/8/8/8/5BPP/6K1 w - - 0 1", ["f2d4"], {"pin", "oneMove"}, {"fork", "skewer"}),
     ("3q4/8/8/3k4/8/8/8/R3K3 w - - 0 1", ["a1d1", "d5e6", "d1d8"], {"skewer"}, {"pin", "fork"}),
     ("4k3/8/8/8/4N3/8/8/4R1K1 w - - 0 1", ["e4f6"], {"doubleCheck", "discoveredCheck"}, {"mate"}),
-    ("4k3/1P6/8/8/8/8/8/4K3 w - - 0 1", ["b7b8n"], {"promotion", "underPromotion", "advancedPawn", "pawnEndgame"}, set()),
+    # a knight appears on the first move: no longer kings and pawns only, so not a pawn endgame
+    ("4k3/1P6/8/8/8/8/8/4K3 w - - 0 1", ["b7b8n"], {"promotion", "underPromotion", "advancedPawn"}, {"pawnEndgame"}),
     ("4k3/8/8/3pP3/8/8/8/4K3 w - d6 0 1", ["e5d6"], {"enPassant"}, {"advancedPawn"}),
     # Lichess 000Pw (themes "crushing endgame fork short"): after the setup move e4d2, Ne2+ forks Kg1 and Qc3
     ("6k1/5p1p/4p3/4q3/3n4/2Q3P1/PP1N1P1P/6K1 b - - 3 37", ["d4e2", "g1f1", "e2c3"], {"fork", "short", "endgame"},
@@ -212,6 +277,93 @@ def test_tagger_on_hand_checked_lines(fen, line, expected, absent):
     tags = tag_themes(chess.Board(fen), line)
     assert expected <= tags and not (absent & tags), sorted(tags)
     assert tags <= set(SUPPORTED_THEMES)
+
+
+# Lichess puzzles (outside the measuring sample) for each theme added from Lichess's definitions:
+# (id, FEN before the setup move, moves with the setup first, the theme Lichess labels them with).
+# Checked by hand: e.g. 001gi ...Bxc3# with bishops on c3 and g4 either side of Ke1 (Boden);
+# 01YDB ...Rh1# against Kh4 with its own pawn on g4 and a black knight on e4 (Anastasia).
+LICHESS_THEME_CASES = [
+    ("003mh", "r4k1r/1pp2p2/p2p3p/3N4/3P2q1/8/PPP5/1K2Q1NR b - - 1 23", "a8e8 e1e8 f8e8 d5f6 e8e7 f6g4", "attraction"),
+    ("001h8", "2r3k1/2r4p/4p1p1/1p1q1pP1/p1bP1P1Q/P6R/5B2/2R3K1 b - - 5 34", "c4e2 h4h7 c7h7 c1c8 g8g7 c8c7",
+     "deflection"),
+    ("009XT", "rn1qk2r/pp3ppp/3bp1b1/3p4/3Pn2N/3BB3/PPP2PPP/RN1Q1RK1 w kq - 4 10", "h4g6 d6h2 g1h1 h7g6", "intermezzo"),
+    ("000tp", "4r3/5pk1/1p3np1/3p3p/2qQ4/P4N1P/1P3RP1/7K w - - 6 34", "d4b6 f6e4 h1g1 e4f2", "trappedPiece"),
+    ("00Bg4", "3r2k1/1q3ppp/p2rp3/Qp1B4/7P/P4P2/1PP3P1/1K1R3R b - - 0 21", "d6d5 a5d8 d5d8 d1d8", "xRayAttack"),
+    ("001aK", "6k1/5p2/4p3/P1B5/2P4P/4Pnp1/Rb1rN3/5K2 b - - 1 33", "d2e2 f1e2 g3g2 e3e4 f3d4 e2f2", "quietMove"),
+    ("000qP", "8/7R/8/5p2/4bk1P/8/2r2K2/6R1 w - - 7 51", "f2f1 f4f3 f1e1 c2c1 e1d2 c1g1", "exposedKing"),
+    ("00A8H", "1k6/1pb2p2/p1p1p3/2P5/PP6/1KB5/4q3/1R1R4 b - - 1 38", "c7e5 d1d8 b8a7 b1e1 e2e1 c3e1", "clearance"),
+    ("002Uy", "8/8/1p6/k7/P1R5/1K5r/8/8 w - - 26 64", "c4c3 h3c3 b3c3 a5a4 c3b2 a4b4", "defensiveMove"),
+    ("002LF", "7r/p2q1pk1/1pp3p1/8/6P1/4Q3/PP1R1P1r/5KN1 b - - 0 38", "d7g4 e3e5 f7f6 e5c7 g7h6 c7h2", "interference"),
+    ("00cW9", "rn2kb1r/1bq2pp1/p3p2p/1p1nP3/2pP3B/2N2N2/1P1QBPPP/R4RK1 b kq - 1 13", "f8b4 c3d5 b7d5 d2b4",
+     "capturingDefender"),
+    ("01YDB", "8/6p1/4k1N1/5R1P/4n1PK/8/5P2/r7 w - - 11 60", "f2f3 a1h1", "anastasiaMate"),
+    ("001gi", "r6r/1pNk1ppp/2np4/b3p3/4P1b1/N1Q5/P4PPP/R3KB1R w KQ - 3 18", "c7a8 a5c3", "bodenMate"),
+]
+NEW_THEMES = {case[3] for case in LICHESS_THEME_CASES}
+
+
+@pytest.mark.parametrize("puzzle_id, fen, moves, theme", LICHESS_THEME_CASES, ids=[c[0] for c in LICHESS_THEME_CASES])
+def test_new_themes_on_lichess_puzzles(puzzle_id, fen, moves, theme):
+    setup, *solution = moves.split()
+    board = chess.Board(fen)
+    board.push_uci(setup)
+    tags = tag_themes(board, solution, setup=(chess.Board(fen), setup))
+    assert theme in tags
+    other = {c[3] for c in LICHESS_THEME_CASES if c[0] != puzzle_id} & NEW_THEMES
+    lichess_labels = {"001h8": {"kingsideAttack", "sacrifice"}, "003mh": {"fork", "sacrifice"},
+                      "001aK": {"hangingPiece"}, "000qP": {"skewer"}, "00cW9": {"discoveredAttack"}}
+    assert not (tags & other), sorted(tags)  # none of the other new themes (Lichess labels none of them here)
+    assert lichess_labels.get(puzzle_id, set()) <= tags
+
+
+def test_intermezzo_without_the_setup_move():
+    # 009XT without its setup move (Bxh2+ is not known): Nxg6 leaves the knight en prise on g6 since the
+    # start; Kh1 (answering the check) comes in between, then hxg6 takes the piece that was there all along.
+    board = chess.Board("rn1qk2r/pp3ppp/3bp1b1/3p4/3Pn2N/3BB3/PPP2PPP/RN1Q1RK1 w kq - 4 10")
+    board.push_uci("h4g6")
+    assert "intermezzo" in tag_themes(board, ["d6h2", "g1h1", "h7g6"])
+    assert "intermezzo" not in tag_themes(chess.Board(QUEEN_SAC_M2), ["e2e8", "c8e8", "e1e8"])
+
+
+def test_evaluation_labels_use_lichess_thresholds():
+    from reward_models.chess.themes import eval_theme
+
+    assert [eval_theme(cp) for cp in (-50, 200, 201, 600, 601, 100_000)] == [
+        "equality", "equality", "advantage", "advantage", "crushing", "crushing"]
+    tags = tag_themes(chess.Board(TWO_CAPTURES), ["g2d5"], eval_cp=850)
+    assert "crushing" in tags and not tags & {"advantage", "equality"}
+    # our cp is scaled by EVAL_SCALE = 1.3 first: 470 · 1.3 = 611 > 600 is crushing, 460 · 1.3 = 598 is not
+    assert "crushing" in tag_themes(chess.Board(TWO_CAPTURES), ["g2d5"], eval_cp=470)
+    assert "advantage" in tag_themes(chess.Board(TWO_CAPTURES), ["g2d5"], eval_cp=460)
+    assert "crushing" in tag_themes(chess.Board(TWO_CAPTURES), ["g2d5"], eval_cp=601, eval_scale=1.0)
+    assert not tag_themes(chess.Board(TWO_CAPTURES), ["g2d5"]) & {"advantage", "crushing", "equality"}
+    assert not tag_themes(chess.Board(BACK_RANK_M1), ["a1a8"], eval_cp=850) & {"crushing"}  # a mate has no eval label
+
+
+def test_x_ray_guard_and_trapped_piece_helpers():
+    from reward_models.chess.line import bad_spot, defended, trapped
+
+    assert defended(chess.Board("3r2k1/8/8/3r4/8/8/8/3R2K1 w - - 0 1"), chess.D5)  # Rd8 guards Rd5 directly
+    # Bd5 is attacked by the white Rd3; the black Rd1 behind that rook guards d5 once the rook takes (x-ray)
+    xray = chess.Board("6k1/8/8/3b4/8/3R4/7K/3r4 w - - 0 1")
+    assert defended(xray, chess.D5) and not bad_spot(xray, chess.D5)
+    xray.remove_piece_at(chess.D1)
+    assert not defended(xray, chess.D5) and bad_spot(xray, chess.D5)
+    # Ba2 (black to move) is attacked by Kb2 and unguarded; Bb1 is covered by the king, Bxb3 by Kb2 and c2
+    cornered = chess.Board("4k3/8/8/8/8/1P6/bKP5/8 b - - 0 1")
+    assert trapped(cornered, chess.A2)
+    guarded = chess.Board("r3k3/8/8/8/8/1P6/bKP5/8 b - - 0 1")  # Ra8 guards a2: the king cannot take it
+    assert not bad_spot(guarded, chess.A2) and not trapped(guarded, chess.A2)
+
+
+def test_zugzwang_rule_with_given_evaluations():
+    from reward_models.chess.themes import replay, zugzwang
+
+    line = replay(chess.Board("4k3/8/8/8/8/8/4P3/4K3 b - - 0 1"), ["e8d7"])  # black plays Kd7; white to move
+    # white to move is lost (−300 cp from white's view) but would hold after passing (black to move: 0)
+    assert zugzwang(line, lambda b: -300 if b.turn == chess.WHITE else 0)
+    assert not zugzwang(line, lambda b: 0)  # moving costs nothing: no zugzwang
 
 
 def test_tagger_rejects_an_illegal_line():
@@ -244,6 +396,20 @@ def test_chess_puzzle_reward_components():
     assert out["best_move"].tolist()[:2] == [1, 0] and math.isnan(out["best_move"][2])
 
 
+@needs_stockfish
+def test_chess_puzzle_reward_lichess_rule_and_evaluation_label():
+    reward = build_reward("chess_puzzle", nodes=20_000, rule="lichess", deep_nodes=40_000)
+    smothered = "6rk/6pp/8/6N1/8/8/8/6K1 w - - 0 1"  # Nf7# or a knight against a rook: only the mate wins
+    out = reward([smothered, BACK_RANK_M1, TWO_CAPTURES], [""] * 3, [{"themes": "smotheredMate"}, {}, {}])
+    verdicts = reward.judge([TWO_CAPTURES], [{}])
+    reward.close()
+    # BACK_RANK_M1 is a mate in one, but any other move keeps a rook up (W > 0.6): not a Lichess puzzle
+    assert out["unique"].tolist() == [1, 0, 0] and out["yield"].tolist() == [1, 0, 0]
+    assert verdicts[0].uniqueness.steps[-1]["nodes"] == 40_000  # the failing first move was searched deeper
+    with pytest.raises(ValueError, match="rule must be one of"):
+        ChessPuzzleReward(rule="strict")
+
+
 def test_chess_puzzle_reward_names_unknown_themes():
-    with pytest.raises(ValueError, match="cannot produce \\['deflection'\\]"):
-        ChessPuzzleReward().judge([BACK_RANK_M1], [{"themes": ["deflection"]}])
+    with pytest.raises(ValueError, match="cannot produce \\['zugzwang'\\]"):
+        ChessPuzzleReward().judge([BACK_RANK_M1], [{"themes": ["zugzwang"]}])

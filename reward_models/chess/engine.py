@@ -6,10 +6,17 @@ sequence of searches (one puzzle's line: its searches share the hash table, and 
 clears it at checkout, so a line's result depends only on the line, not on what the engine saw
 before). Searches are limited by nodes (deterministic with one thread) and capped in time.
 
-Faults: a search whose engine dies, or that runs ``grace`` seconds past its time cap (a hung
-engine), kills and restarts that engine and runs the search once more; when the retry fails
-too, ``EngineFailure`` is raised for the caller to score the position NaN. The pool itself
-stays usable either way.
+Faults: a search whose engine dies, or hangs, kills and restarts that engine and runs the
+search once more; when the retry fails too, ``EngineFailure`` is raised for the caller to score
+the position NaN. The pool itself stays usable either way.
+
+A hang is judged by what the engine process does, not by the wall clock alone, because on a
+loaded machine a healthy engine can wait seconds for a core (``SearchWatch``): a search is hung
+when the engine has used more CPU than its time cap plus ``grace``, or when for ``grace`` seconds
+none of its threads ran or was waiting to run (stopped, deadlocked) while the answer did not
+come; a starved but runnable engine is waited for, up to ``max_wait`` seconds. A fresh engine
+gets ``startup_timeout`` seconds to load and answer ``isready`` (the readiness handshake), so
+its first search starts from readiness, not from the process start.
 
 >>> import chess
 >>> with StockfishPool(size=1, limit=SearchLimit(nodes=20_000)) as pool:  # doctest: +SKIP
@@ -18,12 +25,16 @@ stays usable either way.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import concurrent.futures
+import fcntl
 import os
 import queue
 import shutil
+import termios
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, TypeVar
@@ -47,8 +58,8 @@ def find_stockfish() -> str | None:
 @dataclass(frozen=True)
 class SearchLimit:
     """One search's budget. ``nodes`` binds in normal operation (reproducible with Threads=1);
-    ``time`` (seconds) is a safety cap, and a search still running ``grace`` seconds after it
-    counts as a hung engine."""
+    ``time`` (seconds) is a safety cap: an engine that has used ``time + grace`` CPU seconds on
+    one search counts as hung (``SearchWatch``)."""
 
     nodes: int | None = 200_000
     time: float = 10.0
@@ -71,12 +82,78 @@ _ENGINE_ERRORS = (chess.engine.EngineError, chess.engine.EngineTerminatedError, 
                   asyncio.CancelledError, BrokenPipeError, ConnectionError)
 
 
+def _proc_cpu_and_runnable(pid: int) -> tuple[float, bool] | None:
+    """(CPU seconds used by process ``pid``, whether any of its threads is running or runnable),
+    from /proc; None where /proc cannot tell (not Linux, process gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, all threads
+        runnable = False
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                runnable |= f.read().rsplit(")", 1)[1].split()[0] == "R"
+        return cpu, runnable
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _unread_output(engine: chess.engine.SimpleEngine) -> bool:
+    """The engine has written output that this process has not read yet (its answer may be waiting
+    for our own starved event loop, so the engine is not hung)."""
+    try:
+        pipe = engine.transport.get_pipe_transport(1).get_extra_info("pipe")
+        count = array.array("i", [0])
+        fcntl.ioctl(pipe.fileno(), termios.FIONREAD, count)
+        return count[0] > 0
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+class SearchWatch:
+    """Decides when a running search counts as hung (see the module docstring).
+
+    ``budget`` = time cap + grace, in CPU seconds of the engine; ``idle`` = grace, in wall seconds
+    with no thread of the engine runnable and no CPU used; ``max_wait`` = the wall-clock backstop.
+    Without /proc it falls back to the wall clock: hung after ``budget`` seconds.
+    """
+
+    def __init__(self, pid: int, budget: float, idle: float, max_wait: float,
+                 answered: Callable[[], bool] = lambda: False):
+        self.pid, self.budget, self.idle, self.max_wait, self.answered = pid, budget, idle, max_wait, answered
+        self.start = self.last_progress = time.monotonic()
+        first = _proc_cpu_and_runnable(pid)
+        self.cpu0 = self.cpu = first[0] if first else None
+
+    def hung(self) -> str | None:
+        """None while the search may still finish; else why it is hung."""
+        now = time.monotonic()
+        if now - self.start > self.max_wait:
+            return f"no answer after {self.max_wait:.0f} s"
+        sample = _proc_cpu_and_runnable(self.pid) if self.cpu0 is not None else None
+        if sample is None:
+            return f"no answer after {now - self.start:.1f} s" if now - self.start > self.budget else None
+        cpu, runnable = sample
+        if cpu > self.cpu or runnable or self.answered():
+            self.cpu, self.last_progress = cpu, now
+        if cpu - self.cpu0 > self.budget:
+            return f"used {cpu - self.cpu0:.1f} CPU s, over its {self.budget:.1f} s"
+        if now - self.last_progress > self.idle:
+            return f"idle (not running, no CPU) for {now - self.last_progress:.1f} s"
+        return None
+
+
 class EngineHandle:
     """One checked-out engine. ``analyse`` restarts it and retries once on a crash or hang."""
 
     def __init__(self, pool: "StockfishPool", slot: int):
         self._pool, self.slot = pool, slot
         self._game = object()  # new game id → python-chess sends ucinewgame before the first search
+
+    @property
+    def limit(self) -> SearchLimit:
+        """The pool's default search limit (``analyse(limit=...)`` overrides it per search)."""
+        return self._pool.limit
 
     @property
     def pid(self) -> int:
@@ -91,7 +168,7 @@ class EngineHandle:
         for _ in range(2):
             engine = self._pool._engines[self.slot]
             try:
-                return engine.analyse(board, engine_limit, multipv=multipv, game=self._game, info=info)
+                return self._pool._watched_analyse(engine, board, engine_limit, multipv, self._game, info)
             except _ENGINE_ERRORS as exc:
                 error = exc
                 try:
@@ -112,7 +189,8 @@ class StockfishPool:
     """
 
     def __init__(self, size: int = 1, limit: SearchLimit = SearchLimit(), path: str | None = None,
-                 threads: int = 1, hash_mb: int = 16, grace: float = 5.0):
+                 threads: int = 1, hash_mb: int = 16, grace: float = 5.0, startup_timeout: float = 60.0,
+                 max_wait: float = 120.0):
         if size < 1:
             raise ValueError(f"StockfishPool size must be ≥ 1, got {size}")
         self.path = path or find_stockfish()
@@ -120,6 +198,8 @@ class StockfishPool:
             raise FileNotFoundError(f"no Stockfish binary: install it (apt-get install stockfish puts it at "
                                     f"{DEFAULT_STOCKFISH}) or set $FLOWALIGN_STOCKFISH")
         self.size, self.limit, self.grace = size, limit, grace
+        self.startup_timeout, self.max_wait = startup_timeout, max_wait
+        self.restart_reasons: list[str] = []  # why each hung search was given up (diagnostics, tests)
         self._options = {"Threads": threads, "Hash": hash_mb}
         self._lock = threading.Lock()
         self._closed = False
@@ -135,14 +215,40 @@ class StockfishPool:
             self._free.put(slot)
 
     def _start(self) -> chess.engine.SimpleEngine:
-        # timeout: python-chess waits limit.time + timeout for a search before raising TimeoutError
-        engine = chess.engine.SimpleEngine.popen_uci(self.path, timeout=self.grace)
+        # Start-up (loading the network, allocating the hash) gets its own deadline and ends with the
+        # readiness handshake, so a search's deadline never includes it.
+        engine = chess.engine.SimpleEngine.popen_uci(self.path, timeout=self.startup_timeout)
         try:
             engine.configure(self._options)
+            engine.ping()  # isready → readyok: the engine has applied the options and is idle
         except BaseException:
             engine.close()
             raise
         return engine
+
+    def _watched_analyse(self, engine: chess.engine.SimpleEngine, board: chess.Board, limit: chess.engine.Limit,
+                         multipv: int, game: object, info: chess.engine.Info) -> list[dict]:
+        """``engine.analyse`` with ``SearchWatch`` as its deadline instead of python-chess's wall clock."""
+        if engine.protocol.loop.is_closed() or engine.returncode.done():
+            raise chess.engine.EngineTerminatedError("engine process is gone (its event loop has closed)")
+        coro = engine.protocol.analyse(board, limit, multipv=multipv, game=game, info=info)
+        try:
+            future = asyncio.run_coroutine_threadsafe(coro, engine.protocol.loop)
+        except RuntimeError as exc:  # the loop closed between the check and the call: the engine died
+            coro.close()
+            raise chess.engine.EngineTerminatedError(f"engine process is gone ({exc})") from exc
+        watch = SearchWatch(engine.transport.get_pid(), budget=limit.time + self.grace, idle=self.grace,
+                            max_wait=max(self.max_wait, limit.time + self.grace),
+                            answered=lambda: _unread_output(engine))
+        poll = min(0.05, self.grace / 5)
+        while True:
+            try:
+                return future.result(timeout=poll)
+            except concurrent.futures.TimeoutError:
+                if why := watch.hung():
+                    future.cancel()
+                    self.restart_reasons.append(why)
+                    raise TimeoutError(f"Stockfish search hung: {why}") from None
 
     def _restart(self, slot: int) -> None:
         with self._lock:

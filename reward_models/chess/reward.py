@@ -26,6 +26,7 @@ space-separated string); a theme the tagger cannot produce is an error, not a si
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -37,8 +38,8 @@ from pipelines import chess_tokenizer as tokenizer
 from reward_models.base import Reward, register_reward
 from reward_models.chess.engine import SearchLimit, StockfishPool
 from reward_models.chess.legality import legality_problems
-from reward_models.chess.themes import SUPPORTED_THEMES, replay, tag_line
-from reward_models.chess.uniqueness import UniquenessResult, check_position
+from reward_models.chess.themes import EVAL_SCALE, SUPPORTED_THEMES, replay, tag_line
+from reward_models.chess.uniqueness import DEFAULT_RULE, LICHESS, UniquenessResult, check_position
 
 NAN = float("nan")
 
@@ -107,18 +108,29 @@ class ChessPuzzleReward(Reward):
 
     Engine settings: ``engines`` Stockfish processes of one thread and ``hash_mb`` each, every
     search limited to ``nodes`` (capped at ``time_limit`` s); ``gap``, ``min_first_cp`` and
-    ``max_solver_moves`` as in ``uniqueness.check_position``. The engines start at the first
+    ``max_solver_moves`` as in ``uniqueness.check_position``; ``rule``: "default" (gap 0.5) or
+    "lichess" (Lichess's generator thresholds, ``uniqueness.LICHESS``, on our cp × ``EVAL_SCALE``;
+    ``gap`` / ``min_first_cp`` still override), with ``deep_nodes`` to re-search close steps
+    deeper. The evaluation themes (advantage, crushing, equality) come from the engine's score of
+    the line's last solver move. The engines start at the first
     call and stop with ``close()`` (or when the reward is garbage-collected).
     """
 
     components = ("legal", "unique", "theme_match", "theme_score", "yield", "partial_yield", "best_move")
 
     def __init__(self, engines: int = 1, nodes: int = 100_000, time_limit: float = 10.0, hash_mb: int = 16,
-                 gap: float = 0.5, min_first_cp: int = 200, max_solver_moves: int = 5,
-                 strict_material: bool = False, stockfish: str | None = None):
+                 gap: float | None = None, min_first_cp: int | None = None, max_solver_moves: int = 5,
+                 strict_material: bool = False, stockfish: str | None = None, rule: str = "default",
+                 deep_nodes: int | None = None):
+        # "lichess": Lichess's generator's thresholds on our cp scaled to its scale (the variant that agreed
+        # best with Lichess's puzzles, docs/chess.md)
+        rules = {"default": DEFAULT_RULE, "lichess": dataclasses.replace(LICHESS, cp_scale=EVAL_SCALE)}
+        if rule not in rules:
+            raise ValueError(f"chess_puzzle: rule must be one of {sorted(rules)}, got {rule!r}")
         self.pool_kwargs = dict(size=engines, limit=SearchLimit(nodes=nodes, time=time_limit), path=stockfish,
                                 hash_mb=hash_mb)
-        self.check_kwargs = dict(gap=gap, min_first_cp=min_first_cp, max_solver_moves=max_solver_moves)
+        self.check_kwargs = dict(gap=gap, min_first_cp=min_first_cp, max_solver_moves=max_solver_moves,
+                                 rule=dataclasses.replace(rules[rule], deep_nodes=deep_nodes))
         self.strict_material = strict_material
         self._pool: StockfishPool | None = None
 
@@ -162,4 +174,6 @@ class ChessPuzzleReward(Reward):
 def _line_themes(fen: str, result: UniquenessResult) -> set[str]:
     """Themes of the engine's line; a position rejected at its first move is tagged on that move alone."""
     line = result.line or ([result.first.move] if result.first is not None else [])
-    return tag_line(replay(chess.Board(fen), line)) if line else set()
+    last = result.last if result.line else None
+    eval_cp = None if last is None else (last.cp if last.mate is None else 100_000 if last.mate > 0 else -100_000)
+    return tag_line(replay(chess.Board(fen), line), eval_cp) if line else set()

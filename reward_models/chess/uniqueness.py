@@ -21,10 +21,19 @@ engine's principal variation (solver's best move, the engine's best reply, …):
 ``check_line`` (measurement against Lichess) walks a given solution instead and also requires
 the engine's best move to be the given one (a different mating move is fine at a mate in one).
 Both return a ``UniquenessResult``; a search that failed twice gives ``unique=None`` (NaN).
+
+Lichess's generator (lichess-puzzler) is stricter, and searches far deeper (up to 25M nodes):
+the solver's best move must beat the second by more than 0.7 win chance at every move (a mate
+counts as 1, so a longer mate with any alternative above ≈ 165 cp fails), stay ≥ 200 cp at every
+move, and at a mate in one the best non-mating move must score ≤ 0.6 win chance. ``LICHESS``
+holds those thresholds; with ``deep_nodes`` a step whose verdict is within ``margin`` win chance
+of a threshold (or failing) is searched again that deep, and the deeper search decides: the
+cheap search settles the clear cases, the expensive one only the close ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -98,6 +107,33 @@ def line_scores(infos: Sequence[dict], turn: chess.Color) -> list[LineScore]:
     return out
 
 
+@dataclass(frozen=True)
+class Rule:
+    """Thresholds of the per-move uniqueness rule (see the module docstring).
+
+    gap: W(best) − W(second) must reach this (W of a mate = 1); ``strict_gap``: must exceed it
+    and a longer mate's alternatives count too (Lichess), else only a second *mate* breaks a mate;
+    min_first_cp: the first move's score (cp) at least; ``every_move_cp``: every solver move's too;
+    mate_in_one_max: at a mate in one, the best non-mating move's W at most this (None: no limit);
+    deep_nodes / margin: re-search a step at ``deep_nodes`` when its slack is below ``margin``;
+    cp_scale: multiply the engine's cp by this before judging (Lichess's thresholds were set on
+    deeper searches of other Stockfish versions, on a larger scale: ``themes.EVAL_SCALE``).
+    """
+
+    gap: float = 0.5
+    min_first_cp: int = 200
+    strict_gap: bool = False
+    every_move_cp: bool = False
+    mate_in_one_max: float | None = None
+    deep_nodes: int | None = None
+    margin: float = 0.15
+    cp_scale: float = 1.0
+
+
+DEFAULT_RULE = Rule()
+LICHESS = Rule(gap=0.7, strict_gap=True, every_move_cp=True, mate_in_one_max=0.6)
+
+
 @dataclass
 class UniquenessResult:
     unique: bool | None               # None: the engine failed (score NaN)
@@ -106,25 +142,92 @@ class UniquenessResult:
     line: list[str] = field(default_factory=list)  # solution followed, UCI: solver, reply, solver, …
     first: LineScore | None = None    # the engine's best first move
     mate: bool = False                # the line ends in checkmate
+    last: LineScore | None = None     # the engine's best line at the last solver move searched
+    steps: list[dict] = field(default_factory=list)  # per search: nodes, best, second (for measurement)
 
     @property
     def solver_moves(self) -> int:
         return (len(self.line) + 1) // 2
 
 
-def _search(engine: EngineHandle, board: chess.Board) -> tuple[LineScore, LineScore | None, list[chess.Move]]:
-    infos = engine.analyse(board, multipv=2)
+def _search(engine: EngineHandle, board: chess.Board, nodes: int | None = None,
+            multipv: int = 2) -> tuple[LineScore, LineScore | None, list[chess.Move], list[LineScore]]:
+    limit = None if nodes is None else dataclasses.replace(engine.limit, nodes=nodes, time=max(engine.limit.time, 60.0))
+    infos = engine.analyse(board, multipv=multipv, limit=limit)
     scores = line_scores(infos, board.turn)
     if not scores:
         raise EngineFailure(f"Stockfish returned no line for {board.fen()}")
-    return scores[0], (scores[1] if len(scores) > 1 else None), list(infos[0]["pv"])
+    return scores[0], (scores[1] if len(scores) > 1 else None), list(infos[0]["pv"]), scores
 
 
-def _first_move_problem(best: LineScore, min_first_cp: int) -> str | None:
-    if best.mates or (best.mate is None and best.cp >= min_first_cp):
-        return None
-    got = f"mated in {-best.mate}" if best.mate is not None else f"{best.cp} cp"
-    return f"first move not winning ({got} < {min_first_cp} cp)"
+def _mates_in_one(board: chess.Board) -> int:
+    count = 0
+    for move in board.legal_moves:
+        board.push(move)
+        count += board.is_checkmate()
+        board.pop()
+    return count
+
+
+def _scaled(score: LineScore | None, k: float) -> LineScore | None:
+    return score if score is None or score.cp is None else dataclasses.replace(score, cp=round(score.cp * k))
+
+
+def _judge(best: LineScore, second: LineScore | None, rule: Rule, first_move: bool,
+           non_mating: LineScore | None) -> tuple[tuple[str, str] | None, float]:
+    """(problem or None, slack): how far, in win chance, the step is from its nearest threshold
+    (negative when it fails). ``non_mating``: the best non-mating move at a mate in one."""
+    if rule.cp_scale != 1.0:
+        best, second, non_mating = (_scaled(x, rule.cp_scale) for x in (best, second, non_mating))
+    slacks, problem = [], None
+    if not best.mates and (first_move or rule.every_move_cp):
+        cp = -10**6 if best.mate is not None else best.cp
+        slacks.append(best.win - win_chance(rule.min_first_cp))
+        if cp < rule.min_first_cp:
+            got = f"mated in {-best.mate}" if best.mate is not None else f"{best.cp} cp"
+            problem = ("not_winning", f"{'first' if first_move else 'solver'} move not winning "
+                                      f"({got} < {rule.min_first_cp} cp)")
+    if second is not None and problem is None:
+        if best.mates and best.mate == 1:
+            if rule.mate_in_one_max is not None:
+                alt = non_mating if second.mates else second
+                if alt is not None:
+                    slacks.append(rule.mate_in_one_max - alt.win)
+                    if alt.win > rule.mate_in_one_max:
+                        problem = ("close_second", f"mate in one, but {alt.move} also wins "
+                                                   f"({alt.win:.2f} > {rule.mate_in_one_max} win chance)")
+        elif best.mates and not rule.strict_gap:
+            problem = step_problem(best, second, rule.gap)
+        else:
+            if best.mates and second.mates:
+                problem = ("second_mate", f"{second.move} mates too (in {second.mate}; best in {best.mate})")
+                slacks.append(-1.0)
+            else:
+                slack = best.win - second.win - rule.gap
+                slacks.append(slack)
+                if slack < 0 or (rule.strict_gap and slack == 0):
+                    problem = ("close_second", f"second-best move {second.move} is within {rule.gap} win chance "
+                                               f"({best.win:.2f} vs {second.win:.2f})")
+    return problem, min(slacks, default=1.0)
+
+
+def _step(engine: EngineHandle, board: chess.Board, rule: Rule, first_move: bool, steps: list[dict]):
+    """Search one solver position (again, deeper, when the verdict is close): best, second, pv, problem."""
+    nodes = None
+    while True:
+        best, second, pv, _ = _search(engine, board, nodes)
+        non_mating = None
+        if rule.mate_in_one_max is not None and best.mate == 1 and second is not None and second.mates:
+            mates = _mates_in_one(board)
+            scores = _search(engine, board, nodes, multipv=mates + 1)[3]
+            non_mating = scores[-1] if len(scores) > mates else None
+        problem, slack = _judge(best, second, rule, first_move, non_mating)
+        steps.append({"fen": board.fen(), "nodes": nodes or engine.limit.nodes, "best": dataclasses.asdict(best),
+                      "second": second and dataclasses.asdict(second), "problem": problem and problem[0],
+                      "slack": round(slack, 4)})
+        if nodes is not None or rule.deep_nodes is None or slack >= rule.margin:
+            return best, second, pv, problem
+        nodes = rule.deep_nodes
 
 
 def _reply(engine: EngineHandle, board: chess.Board, pv: list[chess.Move]) -> chess.Move:
@@ -134,15 +237,28 @@ def _reply(engine: EngineHandle, board: chess.Board, pv: list[chess.Move]) -> ch
     return _search(engine, board)[2][0]
 
 
-def check_position(board: chess.Board, engine: EngineHandle, gap: float = 0.5, min_first_cp: int = 200,
-                   max_solver_moves: int = 5) -> UniquenessResult:
-    """Uniqueness of a position whose side to move is the solver (see the module docstring)."""
+def _rule(rule: Rule | None, gap: float | None, min_first_cp: int | None) -> Rule:
+    rule = rule or DEFAULT_RULE
+    if gap is not None:
+        rule = dataclasses.replace(rule, gap=gap)
+    if min_first_cp is not None:
+        rule = dataclasses.replace(rule, min_first_cp=min_first_cp)
+    return rule
+
+
+def check_position(board: chess.Board, engine: EngineHandle, gap: float | None = None,
+                   min_first_cp: int | None = None, max_solver_moves: int = 5,
+                   rule: Rule | None = None) -> UniquenessResult:
+    """Uniqueness of a position whose side to move is the solver (see the module docstring).
+    ``rule`` (default ``DEFAULT_RULE``; ``gap`` / ``min_first_cp`` override its fields)."""
+    rule = _rule(rule, gap, min_first_cp)
     board = board.copy(stack=False)
     line: list[str] = []
-    first = None
+    steps: list[dict] = []
+    first = last = None
 
     def fail(kind: str, reason: str) -> UniquenessResult:
-        return UniquenessResult(False, kind, reason, line, first)
+        return UniquenessResult(False, kind, reason, line, first, last=last, steps=steps)
 
     try:
         for k in range(max_solver_moves):
@@ -150,52 +266,50 @@ def check_position(board: chess.Board, engine: EngineHandle, gap: float = 0.5, m
                 if k == 0:
                     return fail("game_over", f"game already over ({board.result()})")
                 break  # e.g. the engine's reply stalemated: the line ends, keep what was unique
-            best, second, pv = _search(engine, board)
+            best, second, pv, problem = _step(engine, board, rule, k == 0, steps)
             if k == 0:
                 first = best
-                if problem := _first_move_problem(best, min_first_cp):
-                    return fail("not_winning", problem)
-            problem = step_problem(best, second, gap)
             if problem and (k == 0 or first.mates):
                 return fail(problem[0], f"solver move {k + 1}: {problem[1]}")
             if problem:
                 break
             if first.mates and not best.mates:
                 return fail("mate_lost", f"solver move {k + 1}: the mate was lost ({best.cp} cp; too few nodes?)")
+            last = best
             board.push_uci(best.move)
             line.append(best.move)
             if board.is_checkmate():
-                return UniquenessResult(True, "unique", "unique", line, first, mate=True)
+                return UniquenessResult(True, "unique", "unique", line, first, mate=True, last=last, steps=steps)
             if board.is_game_over(claim_draw=False) or k == max_solver_moves - 1:
                 break
             reply = _reply(engine, board, pv)
             board.push(reply)
             line.append(reply.uci())
     except EngineFailure as exc:
-        return UniquenessResult(None, "engine_failed", str(exc), line, first)
+        return UniquenessResult(None, "engine_failed", str(exc), line, first, last=last, steps=steps)
     if len(line) % 2 == 0:
         line = line[:-1]  # end on the solver's move
-    return UniquenessResult(True, "unique", "unique", line, first)
+    return UniquenessResult(True, "unique", "unique", line, first, last=last, steps=steps)
 
 
-def check_line(board: chess.Board, solution: Sequence[str], engine: EngineHandle, gap: float = 0.5,
-               min_first_cp: int = 200) -> UniquenessResult:
+def check_line(board: chess.Board, solution: Sequence[str], engine: EngineHandle, gap: float | None = None,
+               min_first_cp: int | None = None, rule: Rule | None = None) -> UniquenessResult:
     """Uniqueness of a known solution (solver move, reply, …, ending on a solver move)."""
+    rule = _rule(rule, gap, min_first_cp)
     board = board.copy(stack=False)
-    line, first = list(solution), None
+    line, first, last, steps = list(solution), None, None, []
 
     def fail(kind: str, reason: str) -> UniquenessResult:
-        return UniquenessResult(False, kind, reason, line, first)
+        return UniquenessResult(False, kind, reason, line, first, last=last, steps=steps)
 
     try:
         for i in range(0, len(solution), 2):
             k, expected = i // 2, solution[i]
-            best, second, _ = _search(engine, board)
+            best, second, _, problem = _step(engine, board, rule, k == 0, steps)
             if k == 0:
                 first = best
-                if problem := _first_move_problem(best, min_first_cp):
-                    return fail("not_winning", problem)
-            if problem := step_problem(best, second, gap):
+            last = best
+            if problem:
                 return fail(problem[0], f"solver move {k + 1}: {problem[1]}")
             board.push_uci(expected)
             if best.move != expected and not (best.mate == 1 and board.is_checkmate()):
@@ -203,5 +317,5 @@ def check_line(board: chess.Board, solution: Sequence[str], engine: EngineHandle
             if i + 1 < len(solution):
                 board.push_uci(solution[i + 1])
     except EngineFailure as exc:
-        return UniquenessResult(None, "engine_failed", str(exc), line, first)
-    return UniquenessResult(True, "unique", "unique", line, first, mate=board.is_checkmate())
+        return UniquenessResult(None, "engine_failed", str(exc), line, first, last=last, steps=steps)
+    return UniquenessResult(True, "unique", "unique", line, first, mate=board.is_checkmate(), last=last, steps=steps)
