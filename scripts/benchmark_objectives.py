@@ -44,11 +44,10 @@ METHODS = {  # name → (recipe, overrides)
     "dance_grpo": ("configs/shapes_dance_grpo.yaml", []),
     "gdro": ("configs/shapes_gdro.yaml", []),
     "diffusion_nft": ("configs/shapes_nft.yaml", []),
-    "awm": ("configs/shapes_awm.yaml", []),
-    # the authors' SD3.5 setting (flowalign/objectives/awm.py): generalised Huber loss weighted by σ, a
-    # reference KL of 0.001 and the second KL (weight 1) toward a per-epoch EMA of the policy
-    "awm_authors": ("configs/shapes_awm.yaml", ["train.awm_loss=ghuber", "train.awm_time_weighting=sigma",
-                                                "train.kl_beta=0.001", "train.awm_ema_beta=1.0"]),
+    "awm": ("configs/shapes_awm.yaml", []),  # the authors' SD3.5 setting: ghuber·σ, both KL terms
+    # AWM without its KL terms (plain MSE): the recipe before 2026-12-06, which collapses after ~75 epochs
+    "awm_no_kl": ("configs/shapes_awm.yaml", ["train.awm_loss=mse", "train.awm_time_weighting=uniform",
+                                              "train.kl_beta=0", "train.awm_ema_beta=0"]),
     "dgpo": ("configs/shapes_dgpo.yaml", []),
     "grpo_guard": ("configs/shapes_grpo_guard.yaml", []),
     "ddpo": ("configs/shapes_ddpo.yaml", []),  # on shapes-sd15 (UNet, ε-prediction): a different base model
