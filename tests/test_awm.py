@@ -7,7 +7,7 @@ import torch
 
 from flowalign.objectives.awm import awm_loss, ghuber
 from flowalign.trainer import Trainer
-from test_trainer import tiny_config
+from test_trainer import cut_and_resumed, tiny_config
 
 AWM = ("method=awm", "sampling.eta=0", "train.noise_draws=2")
 
@@ -131,15 +131,9 @@ def test_the_ema_kl_averages_once_per_epoch_with_the_authors_ramp_and_resumes_ex
     assert one.history[0]["train/awm_ema_decay"] == pytest.approx(0.001)
     for s, p0, p1 in zip(one.objective.ema.shadow, start, one.params):
         assert torch.allclose(s, 0.001 * p0 + 0.999 * p1.detach(), atol=1e-6)
-    full = Trainer(tiny_config(tiny_sd3_dir, tmp_path / "full", *over, "train.epochs=3"))
-    full.train()
+    full, resumed = cut_and_resumed(tiny_sd3_dir, tmp_path, *over, "checkpoint_every=1")
     assert [h["train/awm_ema_decay"] for h in full.history] == pytest.approx([0.001, 0.002, 0.003])
     assert full.history[1]["train/ema_kl"] > 0
-    cut = Trainer(tiny_config(tiny_sd3_dir, tmp_path / "cut", *over, "train.epochs=1", "checkpoint_every=1"))
-    cut.train()
-    resumed = Trainer(tiny_config(tiny_sd3_dir, tmp_path / "cut", *over, "train.epochs=3", "checkpoint_every=1",
-                                  "resume=auto"))
-    resumed.train()
     keys = ["train/policy_loss", "train/ema_kl", "train/awm_ema_decay", "reward/mean"]
     assert [[h[k] for k in keys] for h in resumed.history] == [[h[k] for k in keys] for h in full.history]
 

@@ -5,7 +5,7 @@ import torch
 
 from flowalign.objectives.diffusion_nft import diffusion_nft_loss, old_policy_decay, optimality_probability
 from flowalign.trainer import Trainer
-from test_trainer import tiny_config
+from test_trainer import cut_and_resumed, tiny_config
 
 
 def _problem(b=3, shape=(2, 4, 4), seed=0):
@@ -86,17 +86,11 @@ NFT = ("method=diffusion_nft", "sampling.eta=0.0", "train.noise_draws=2", "train
 
 
 def test_nft_trains_samples_with_the_old_policy_and_resumes_exactly(tiny_sd3_dir, tmp_path):
-    full = Trainer(tiny_config(tiny_sd3_dir, tmp_path / "full", *NFT, "train.epochs=3", "train.train_batch_size=4"))
-    full.train()
+    full, resumed = cut_and_resumed(tiny_sd3_dir, tmp_path, *NFT, "train.train_batch_size=4")
     assert [h["train/old_decay"] for h in full.history] == pytest.approx([0.0, 0.2, 0.4])
     assert all(h["train/grad_norm"] > 0 for h in full.history)
     # the old policy trails the trained weights once its decay is above 0
     assert any((s - p).abs().max() > 0 for s, p in zip(full.objective.old.shadow, full.params))
-    cut = Trainer(tiny_config(tiny_sd3_dir, tmp_path / "cut", *NFT, "train.epochs=1", "train.train_batch_size=4"))
-    cut.train()
-    resumed = Trainer(tiny_config(tiny_sd3_dir, tmp_path / "cut", *NFT, "train.epochs=3", "train.train_batch_size=4",
-                                  "resume=auto"))
-    resumed.train()
     keys = ["train/policy_loss", "reward/mean", "train/grad_norm", "train/nft_r"]
     assert [[h[k] for k in keys] for h in resumed.history] == [[h[k] for k in keys] for h in full.history]
     assert all(torch.equal(a, b) for a, b in zip(resumed.objective.old.shadow, full.objective.old.shadow))

@@ -19,6 +19,17 @@ def tiny_config(tiny_sd3_dir, out, *overrides):
         "eval.grid_seeds=1", "eval.every=0", "checkpoint_every=0", "train.learning_rate=1e-3", *overrides])
 
 
+def cut_and_resumed(tiny_sd3_dir, out, *overrides, epochs: int = 3):
+    """(full, resumed): a run of ``epochs`` epochs in one go, and the same run stopped after one epoch
+    and resumed (``resume=auto``), for the exact-resume checks of the objectives' tests."""
+    full = Trainer(tiny_config(tiny_sd3_dir, out / "full", *overrides, f"train.epochs={epochs}"))
+    full.train()
+    Trainer(tiny_config(tiny_sd3_dir, out / "cut", *overrides, "train.epochs=1")).train()
+    resumed = Trainer(tiny_config(tiny_sd3_dir, out / "cut", *overrides, f"train.epochs={epochs}", "resume=auto"))
+    resumed.train()
+    return full, resumed
+
+
 def test_one_update_per_rollout_is_exactly_on_policy_and_kl_starts_at_zero(tiny_sd3_dir, tmp_path):
     trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, "train.epochs=1", "train.kl_beta=0.1"))
     trainer.train()
