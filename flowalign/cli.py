@@ -49,6 +49,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="sampling steps (default: 10 ODE steps; chess: 16 "
                                                            "unmasking steps)")
     p.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: --config's threads, else 1, as a run's; 0 = one per core). "
+                        "Images depend on it, as a run's numbers do")
     p.add_argument("--seeds", default="0,1,2,3",
                    help="comma-separated seeds; the same seed gives the same initial noise under every policy "
                         "(eval: prompt i's seed s is row i·(max seed + 1) + s of a run's own evaluation noise, "
@@ -84,8 +87,14 @@ def _model_loading(args) -> tuple[str, str, dict]:
             raise ConfigError(f"--model-kwargs must be a mapping, e.g. '{{max_sequence_length: 256}}', got "
                               f"{args.model_kwargs!r}")
         overrides.append(f"model.kwargs={args.model_kwargs}")
+    if args.threads is not None:
+        overrides.append(f"threads={args.threads}")
     config = load_config(args.config, overrides)
     check_model(_sampling_only(config))
+    if config.threads:  # before any tensor work, as the trainer does: the samples depend on the thread count
+        import torch
+
+        torch.set_num_threads(config.threads)
     model = config.model
     loading = {"dtype": model.dtype, "attention": model.attention, "options": model.kwargs, "height": model.height,
                "width": model.width, "num_frames": model.num_frames}

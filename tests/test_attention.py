@@ -155,3 +155,19 @@ def test_memory_benchmark_measures_one_step_per_backend():
     assert rows[0]["trainable_params"] < rows[0]["params"]  # LoRA only
     assert "| math | off |" in bench.table(rows) and "| sdpa | on |" in bench.table(rows)
     assert bench.available_backends(["math", "sdpa", "xformers"], "cpu")[0] == ["math", "sdpa"]
+
+
+def test_sampling_commands_set_the_thread_count_as_a_run_does(tiny_sd3_dir, tmp_path):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert main(["sample", "--model", str(tiny_sd3_dir), "x", "--seeds", "0", "--steps", "2",
+                     "--out", str(tmp_path / "s.png")]) == 0
+        assert torch.get_num_threads() == 1  # no --config, no --threads: 1, the run's default
+        assert main(["sample", "--model", str(tiny_sd3_dir), "x", "--seeds", "0", "--steps", "2", "--threads", "2",
+                     "--out", str(tmp_path / "t.png")]) == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
