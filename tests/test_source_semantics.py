@@ -282,3 +282,24 @@ def test_recipe_keys_carry_their_sources_values_under_the_sources_semantics(reci
 
         targets = config.model.lora_targets or SD3Adapter.lora_targets
         assert set(targets) == FLOW_GRPO_SD3_TARGETS
+
+
+def test_the_trainer_divides_the_kl_by_the_chosen_convention(tiny_sd3_dir, tmp_path):
+    from flowalign.trainer import Trainer
+    from test_trainer import tiny_config
+
+    runs = {}
+    for convention in ("exact", "flow_grpo"):
+        trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path / convention, "train.kl_beta=0.1",
+                                      f"train.kl_convention={convention}"))
+        trainer.train()
+        runs[convention] = trainer
+    exact, flow_grpo = (runs[c].history[1] for c in ("exact", "flow_grpo"))
+    # epoch 1 starts at the identity LoRA (KL 0 and zero KL gradient), so both runs reach epoch 2 with the same
+    # weights: the same policy loss, and a KL smaller by the trained steps' |dt| (here every |dt| is in (0, 1))
+    assert exact["train/policy_loss"] == flow_grpo["train/policy_loss"]
+    assert exact["train/kl"] > 0
+    sigmas = runs["exact"].adapter.schedule(4).sigmas
+    dts = (sigmas[:-2] - sigmas[1:-1]).abs()  # the trained steps: all but the last
+    ratio = flow_grpo["train/kl"] / exact["train/kl"]
+    assert float(dts.min()) - 1e-6 <= ratio <= float(dts.max()) + 1e-6, (ratio, dts)
