@@ -304,7 +304,10 @@ def _model_lines(config: RunConfig, cls, warnings: list[str]) -> list[tuple[str,
     lines = [("weights", source)]
     components = _components(cls, m.path, index)
     trained = _trained_text(cls, index)
-    if m.lora_rank > 0:
+    if m.lora_rank > 0 and m.init_lora:
+        lines.append(("trains", f"LoRA on {trained}, started from {m.init_lora} with its own rank, alpha and "
+                                f"targets (LoRA weights float32, base frozen in {m.dtype})"))
+    elif m.lora_rank > 0:
         targets = ", ".join(m.lora_targets or getattr(cls, "lora_targets", ()))
         lines.append(("trains", f"LoRA on {trained}: r={m.lora_rank}, alpha={m.lora_alpha or m.lora_rank:g}, "
                                 f"targets {targets} (LoRA weights float32, base frozen in {m.dtype})"))
@@ -472,7 +475,9 @@ def _batch_lines(config: RunConfig, cls) -> list[tuple[str, str]]:
     return [("per epoch", f"{t.groups_per_epoch} prompts × {t.group_size} samples = {samples} per process, rolled out "
                           f"{t.sample_batch_size} at a time; {updates} optimizer steps of {t.train_batch_size} samples "
                           f"× {t.inner_epochs} inner epoch(s); {trained}"),
-            ("optimizer", f"AdamW lr {t.learning_rate:g}, weight decay {t.weight_decay:g}, clip range "
+            ("optimizer", f"{'8-bit AdamW (bitsandbytes)' if t.optimizer == 'adamw8bit' else 'AdamW'} "
+                          f"lr {t.learning_rate:g}{', TF32 on CUDA' if t.allow_tf32 else ''}, "
+                          f"weight decay {t.weight_decay:g}, clip range "
                           f"{t.clip_range:g}, KL β {t.kl_beta:g}, max grad norm {t.max_grad_norm:g}, "
                           f"{t.epochs} epochs" + (f", EMA {t.ema_decay:g}" if t.ema_decay else ""))]
 

@@ -155,3 +155,17 @@ def test_tf32_is_set_on_cuda_and_a_logged_no_op_elsewhere(caplog):
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+
+
+def test_the_dry_run_says_where_the_lora_starts_and_which_optimizer(trained_run, capsys):
+    from pathlib import Path
+
+    from flowalign.cli import main
+
+    _, out = trained_run
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "shapes_nft.yaml"
+    assert main(["train", str(recipe), f"model.init_lora={out / 'final'}", "train.allow_tf32=true",
+                 "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert f"started from {out / 'final'} with its own rank, alpha and targets" in text
+    assert "AdamW lr 0.0003, TF32 on CUDA" in text
