@@ -20,7 +20,7 @@ import torch
 from flowalign.config import ConfigError, load_config
 from flowalign.objectives.flow_grpo import FlowGRPO, flow_grpo_loss, kl_std, nonzero_advantage
 from flowalign.samplers.flow_sde import (FLOW_SDE_STEPS, cps_step, dance_grpo_euler_step, dance_grpo_sde_step,
-                                         flow_grpo_sde_step, gaussian_log_prob, ode_step)
+                                         flow_grpo_sde_step, ode_step)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,8 +155,14 @@ def test_every_step_returns_x0_hat_and_the_last_euler_step_decodes_it(name):
     x, v, z = (torch.randn(2, 4, 3, 3, generator=g) for _ in range(3))
     out = FLOW_SDE_STEPS[name](v, x, 0.6, 0.45, 0.5, noise=z, sigma_fallback=0.9)
     assert torch.allclose(out.pred_x0, x - 0.6 * v, atol=1e-6)
+
+
+def test_the_last_euler_step_decodes_dance_grpos_x0_hat():
+    g = torch.Generator().manual_seed(0)
+    x, v = (torch.randn(2, 4, 3, 3, generator=g) for _ in range(2))
     # DanceGRPO decodes the last step's x̂0; our rollouts end with the Euler step to σ' = 0: the same latent
-    assert torch.allclose(ode_step(v, x, 0.2, 0.0), x - 0.2 * v, atol=1e-6)
+    assert torch.allclose(ode_step(v, x, 0.2, 0.0), dance_grpo_sde_step(v, x, 0.2, 0.1, 0.3, noise=x).pred_x0,
+                          atol=1e-6)
 
 
 @pytest.mark.parametrize("name", sorted(FLOW_SDE_STEPS))
@@ -167,10 +173,12 @@ def test_stochastic_steps_refuse_sigma_next_zero_clearly(name):
 
 
 def test_log_probs_stay_finite_at_the_smallest_positive_step():
-    x = torch.randn(1, 4, 2, 2)
-    out = cps_step(x, x, 0.02, 0.01, 0.7, noise=torch.randn_like(x))
+    x, z = torch.randn(1, 4, 2, 2), torch.randn(1, 4, 2, 2)
+    out = cps_step(x, x, 0.02, 0.01, 0.7, noise=z)
     assert torch.isfinite(out.log_prob).all()
-    assert torch.allclose(out.log_prob, gaussian_log_prob(out.prev_sample, out.mean, out.std))
+    std = 0.01 * math.sin(0.7 * math.pi / 2)  # CPS: σ'·sin(ηπ/2), by hand; x' − μ = std·z
+    by_hand = (-(z**2) / 2).mean() - math.log(std) - 0.5 * math.log(2 * math.pi)
+    assert out.log_prob.item() == pytest.approx(by_hand.item(), rel=1e-5)
 
 
 # -- LoRA targets ---------------------------------------------------------------------------------------

@@ -137,6 +137,8 @@ class FlowGRPO(BaseObjective):
     rollout = "sde"
     predictions = ("velocity",)
     options = (FlowGRPOOptions,)
+    # the steps whose KL Flow-GRPO's convention (train.kl_convention: flow_grpo) is defined for
+    flow_grpo_kl_steps: tuple[str, ...] = ("flow_grpo", "cps")
 
     @classmethod
     def validate(cls, config) -> list[tuple[str, bool, str]]:
@@ -145,8 +147,10 @@ class FlowGRPO(BaseObjective):
                  "must be > 0 to train with log-probabilities (η = 0 is ODE sampling; diffusion_nft and gdro allow it)"),
                 ("train.kl_convention", t.kl_convention in KL_CONVENTIONS,
                  f"must be one of {', '.join(KL_CONVENTIONS)}, got {t.kl_convention!r}"),
-                ("train.kl_convention", t.kl_convention == "exact" or s.sde in ("flow_grpo", "cps"),
-                 f"flow_grpo (Flow-GRPO's σ_t) is defined for sampling.sde flow_grpo or cps, not {s.sde!r}: use exact"),
+                ("train.kl_convention", t.kl_convention == "exact" or s.sde in cls.flow_grpo_kl_steps,
+                 f"flow_grpo (Flow-GRPO's σ_t) is defined for method {cls.name} only with sampling.sde in "
+                 f"{cls.flow_grpo_kl_steps}, not {s.sde!r}: use exact" if cls.flow_grpo_kl_steps else
+                 f"must be exact for method {cls.name} (Flow-GRPO's convention is defined for its own steps)"),
                 ("train.zero_advantage", t.zero_advantage in ZERO_ADVANTAGE,
                  f"must be one of {', '.join(ZERO_ADVANTAGE)}, got {t.zero_advantage!r}")]
 
@@ -201,9 +205,4 @@ class DDPO(FlowGRPO):
 
     name = "ddpo"
     predictions = ("epsilon",)
-
-    @classmethod
-    def validate(cls, config) -> list[tuple[str, bool, str]]:
-        return [rule for rule in super().validate(config) if rule[0] != "train.kl_convention"] + [
-            ("train.kl_convention", config.train.kl_convention == "exact",
-             "must be exact for ddpo (the DDIM step's KL; Flow-GRPO's convention is defined for its flow SDE)")]
+    flow_grpo_kl_steps = ()  # the DDIM step's KL: Flow-GRPO's convention is defined for its flow SDE

@@ -142,6 +142,7 @@ class GRPOGuard(FlowGRPO):
     rollout = "sde"
     predictions = ("velocity",)
     stateful = True
+    flow_grpo_kl_steps = ()  # its KL divides by the transition std that RatioNorm uses: exact only
     options = (*FlowGRPO.options, GRPOGuardOptions)
 
     def __init__(self, ctx):
@@ -154,8 +155,6 @@ class GRPOGuard(FlowGRPO):
             ("sampling.sde", config.sampling.sde in GUARD_SDES,
              f"must be one of {', '.join(GUARD_SDES)} for grpo_guard (a Gaussian step whose std does not depend on "
              f"the model; cps drops the variance from its log-prob), got {config.sampling.sde!r}"),
-            ("train.kl_convention", config.train.kl_convention == "exact",
-             "must be exact for grpo_guard (its KL divides by the transition std that RatioNorm uses)"),
             ("train.guard_step_weight", config.train.guard_step_weight in GUARD_STEP_WEIGHTS,
              f"must be one of {', '.join(GUARD_STEP_WEIGHTS)}, got {config.train.guard_step_weight!r}"),
         ]

@@ -77,14 +77,14 @@ def ode_step(v: torch.Tensor, x: torch.Tensor, sigma, sigma_next) -> torch.Tenso
 def _step_inputs(v, x, sigma, sigma_next, eta, step: str):
     """float32 x, v [B, ...]; σ, σ' as [B, 1, ...]; η as [B, 1, ...] or, per element, x's shape.
     ValueError naming ``step`` when some σ' ≤ 0: the stochastic steps have no density there."""
+    given = torch.as_tensor(sigma_next)  # checked where it lives (the schedule's CPU tensor): no device sync
+    if bool((given <= 0).any()):
+        raise ValueError(f"the {step} step needs σ' > 0 (got σ' = {given.flatten().tolist()}): at σ' = 0 its "
+                         "std or drift is undefined; the last step of a rollout is the deterministic ode_step")
     x32, v32 = x.float(), v.float()
     eta = torch.as_tensor(eta, dtype=torch.float32, device=x.device)
     eta = eta if eta.shape == x.shape else _per_sample(eta, x32)
-    s_next = _per_sample(sigma_next, x32)
-    if bool((s_next <= 0).any()):
-        raise ValueError(f"the {step} step needs σ' > 0 (got σ' = {s_next.flatten().tolist()}): at σ' = 0 its "
-                         "std or drift is undefined; the last step of a rollout is the deterministic ode_step")
-    return x32, v32, _per_sample(sigma, x32), s_next, eta
+    return x32, v32, _per_sample(sigma, x32), _per_sample(sigma_next, x32), eta
 
 
 def _gaussian_step(mean, std, noise, prev_sample, reduction: str, std_scale, pred_x0) -> StepOutput:
