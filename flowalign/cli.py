@@ -464,22 +464,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Errors that end a command with a one-line message: usage errors (exit 2) and faults during a run
+# (exit 1), as "module:Class". The classes live in modules that import torch; an exception can only
+# be an instance of a class whose module is loaded, so main() looks them up in sys.modules instead
+# of importing them (`flowalign recipes` and `--help` never load torch).
+USAGE_ERRORS = ("flowalign.checkpoint:CheckpointError", "reward_models.base:MissingRewardPackage")
+RUN_FAULTS = ("flowalign.faults:RunStopped",)
+
+
+def loaded_classes(names: tuple[str, ...]) -> tuple[type, ...]:
+    """The classes named "module:Class" whose modules are already imported (imports nothing)."""
+    found = (name.split(":") for name in names)
+    return tuple(getattr(sys.modules[module], cls) for module, cls in found if module in sys.modules)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # --help and usage errors exit here, before anything heavy loads
-    from flowalign.checkpoint import CheckpointError
-    from flowalign.config import ConfigError
-    from flowalign.faults import RunStopped
-    from pipelines.base import ModelNotFoundError
-    from reward_models.base import MissingRewardPackage
+    from flowalign.errors import ConfigError  # torch-free
 
     try:
         return args.func(args)
-    except (ConfigError, CheckpointError, ModelNotFoundError, FileNotFoundError, MissingRewardPackage) as error:
+    except (ConfigError, FileNotFoundError) as error:  # FileNotFoundError covers pipelines' ModelNotFoundError
         print(f"flowalign: error: {error}", file=sys.stderr)
         return 2
-    except RunStopped as error:  # a fault during the run, not a usage error
-        print(f"flowalign: error: {error}", file=sys.stderr)
-        return 1
+    except Exception as error:
+        if isinstance(error, loaded_classes(USAGE_ERRORS)):
+            print(f"flowalign: error: {error}", file=sys.stderr)
+            return 2
+        if isinstance(error, loaded_classes(RUN_FAULTS)):  # a fault during the run, not a usage error
+            print(f"flowalign: error: {error}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

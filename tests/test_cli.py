@@ -138,14 +138,16 @@ def test_a_missing_prompt_file_stops_training_but_not_the_dry_run(tmp_path, caps
     assert "absent.txt" in capsys.readouterr().out
 
 
-def test_help_answers_before_torch_loads():
-    # scripts/benchmark_cli_startup.py times it; here: nothing heavy is imported to print help
+def test_help_and_recipes_answer_before_torch_loads():
+    # scripts/benchmark_cli_startup.py times it; here: nothing heavy is imported to print help or list recipes
     import subprocess
     import sys
 
     code = ("import sys\nfrom flowalign.cli import main\n"
             "for argv in (['--help'], ['train', '--help']):\n"
             "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0\n"
+            "assert main(['recipes']) == 0\n"
+            "assert main(['recipes', '--show', 'no_such_recipe']) == 2\n"  # the error path loads nothing either
             "heavy = [m for m in ('torch', 'diffusers', 'accelerate', 'flowalign.trainer', 'flowalign.config') "
             "if m in sys.modules]\nassert not heavy, heavy\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
