@@ -61,7 +61,6 @@ class LTX2Adapter(DenoiserAdapter):
     """
 
     prediction = "velocity"
-    detach_uncond_supported = False  # _guided combines x̂0s per modality; train.detach_uncond is not wired in
     family = "ltx2"
     modality = "audio_video"  # decode gives AudioVideoSamples; x is a joint latent [B, D]
     branches = BRANCHES
@@ -233,17 +232,18 @@ class LTX2Adapter(DenoiserAdapter):
             use_cross_timestep=True, return_dict=False)  # the pipeline's; both modalities share t here anyway
         return v_video.float(), v_audio.float()
 
-    @staticmethod
-    def _guided(x, v, sigma, cfg: bool, scale: float, modality_scale: float, rescale: float, v_isolated):
+    def _guided(self, x, v, sigma, cfg: bool, scale: float, modality_scale: float, rescale: float, v_isolated):
         """One modality's guided velocity, as ``LTX2Pipeline`` combines it: x [B, N, C]; v [2B or B, N, C]
-        ([negative, prompt] under CFG); sigma [B, 1, 1]; v_isolated [B, N, C] or None."""
+        ([negative, prompt] under CFG); sigma [B, 1, 1]; v_isolated [B, N, C] or None. Under
+        ``train.detach_uncond`` both reference branches (the negative prompt's and the isolated
+        modality's) carry no gradient, so only the conditional prediction is trained through."""
         v_uncond, v_cond = v.chunk(2) if cfg else (None, v)
         x0_cond = x - v_cond * sigma
         x0 = x0_cond
         if cfg:
-            x0 = x0 + (scale - 1) * (x0_cond - (x - v_uncond * sigma))
+            x0 = x0 + (scale - 1) * (x0_cond - (x - self.uncond_branch(v_uncond) * sigma))
         if v_isolated is not None and modality_scale > 1.0:
-            x0 = x0 + (modality_scale - 1) * (x0_cond - (x - v_isolated * sigma))
+            x0 = x0 + (modality_scale - 1) * (x0_cond - (x - self.uncond_branch(v_isolated) * sigma))
         if rescale > 0:
             x0 = rescale_noise_cfg(x0, x0_cond, guidance_rescale=rescale)
         return (x - x0) / sigma

@@ -54,6 +54,40 @@ FLOW_METHODS = {
 }
 
 
+def _lora_gradient(adapter, x, t, cond, guidance):
+    params = [p for p in adapter.model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    out = adapter.predict(x, t, cond, guidance)
+    out.pow(2).sum().backward()
+    return out.detach(), torch.cat([p.grad.flatten() for p in params])
+
+
+def assert_detach_uncond_trains_only_the_conditional_branch(adapter, x, t, cond, guidance: float,
+                                                            cond_weight: float | None = None,
+                                                            conditional=None) -> None:
+    """``train.detach_uncond`` on an adapter with a non-zero LoRA: the same prediction, and the
+    gradient of Σ out² equals the conditional branch's alone, w·∇cond with w = g (out = uncond +
+    g·(cond − uncond); ``cond_weight`` where more guidance terms hold cond), computed from a
+    guidance-1 call at the guided output's value; the full gradient, which has (1 − g)·∇uncond in
+    it, differs. ``conditional()``: the conditional branch alone (default: a guidance-1 call)."""
+    adapter.detach_uncond = False
+    both, grad_both = _lora_gradient(adapter, x, t, cond, guidance)
+    adapter.detach_uncond = True
+    detached, grad_detached = _lora_gradient(adapter, x, t, cond, guidance)
+    adapter.detach_uncond = False
+    assert torch.equal(both, detached)  # the same prediction: only the gradient differs
+    params = [p for p in adapter.model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    cond_only = adapter.predict(x, t, cond, 1.0) if conditional is None else conditional()
+    w = guidance if cond_weight is None else cond_weight
+    (2 * detached * w * cond_only).sum().backward()  # chain rule of Σ out² through out = … + w·cond
+    expected = torch.cat([p.grad.flatten() for p in params])
+    assert (grad_detached - expected).norm() <= 1e-4 * expected.norm()  # float32 sums in another order
+    assert (grad_both - grad_detached).norm() > 1e-3 * grad_both.norm()
+
+
 def train_once(config):
     """(the trainer after ``config``'s run, its trainable parameters before it)."""
     from flowalign.trainer import Trainer

@@ -6,7 +6,8 @@ the reference policy, and the joint-latent helpers."""
 
 import pytest
 import torch
-from adapter_checks import reference_predictions, rescored_gradients
+from adapter_checks import (assert_detach_uncond_trains_only_the_conditional_branch, reference_predictions,
+                            rescored_gradients)
 from diffusers import LTX2Pipeline
 
 from flowalign.rollout import rollout
@@ -221,3 +222,28 @@ def test_sizes_the_pipeline_cannot_make_are_refused(folder):
         adapter_class("ltx2").from_pretrained(str(folder), height=48, width=32, num_frames=5)
     with pytest.raises(ValueError, match="num_frames"):
         adapter_class("ltx2").from_pretrained(str(folder), height=32, width=32, num_frames=6)
+
+
+@pytest.mark.parametrize("modality_scale", [1.0, 2.0])
+def test_detach_uncond_trains_only_the_conditional_prediction(folder, modality_scale):
+    # x̂0 = x̂0_c + (g − 1)(x̂0_c − x̂0_u) + (m − 1)(x̂0_c − x̂0_isolated) per modality: with both reference
+    # branches detached the velocity's gradient is (g + m − 1)·∇v_c, in video and audio alike
+    adapter = _adapter(folder, modality_scale=modality_scale)
+    adapter.add_lora(rank=4)
+    with torch.no_grad():
+        for name, p in adapter.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+    x = adapter.initial_noise(len(PROMPTS), torch.Generator().manual_seed(0))
+    t, g = adapter.schedule(STEPS).timesteps[1], 3.0
+    cond = adapter.encode(PROMPTS)
+
+    def conditional():  # v_c alone: no CFG, no modality guidance
+        adapter.modality_scale = adapter.audio_modality_scale = 1.0
+        try:
+            return adapter.predict(x, t, cond, 1.0)
+        finally:
+            adapter.modality_scale = adapter.audio_modality_scale = modality_scale
+
+    assert_detach_uncond_trains_only_the_conditional_branch(adapter, x, t, cond, g, cond_weight=g + modality_scale - 1,
+                                                            conditional=conditional)

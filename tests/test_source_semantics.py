@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from adapter_checks import assert_detach_uncond_trains_only_the_conditional_branch
 
 from flowalign.config import ConfigError, load_config
 from flowalign.objectives.flow_grpo import FlowGRPO, flow_grpo_loss, kl_std, nonzero_advantage
@@ -96,15 +97,6 @@ def test_the_objective_trains_only_nonzero_advantages_when_asked(mode, expected)
 
 
 # -- CFG in the training forward ----------------------------------------------------------------------
-def _lora_gradient(adapter, x, t, cond, guidance):
-    params = [p for p in adapter.model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = None
-    out = adapter.predict(x, t, cond, guidance)
-    out.pow(2).sum().backward()
-    return out.detach(), torch.cat([p.grad.flatten() for p in params])
-
-
 def test_detach_uncond_leaves_only_the_conditional_branchs_gradient(tiny_adapter):
     a = tiny_adapter
     a.add_lora(rank=4)
@@ -114,22 +106,7 @@ def test_detach_uncond_leaves_only_the_conditional_branchs_gradient(tiny_adapter
                 p.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
     cond = a.encode(["a red circle", "a blue square"])
     x = a.initial_noise(2, torch.Generator().manual_seed(0))
-    t, g = torch.tensor(500.0), 4.5
-    both, grad_both = _lora_gradient(a, x, t, cond, g)
-    a.detach_uncond = True
-    detached, grad_detached = _lora_gradient(a, x, t, cond, g)
-    assert torch.equal(both, detached)  # the same prediction: only the gradient differs
-    # with the unconditional branch detached, d(uncond + g·(cond − uncond)) = g·d(cond): check against the
-    # conditional branch alone, whose own gradient must be taken at the guided output's value
-    params = [p for p in a.model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = None
-    cond_only = a.predict(x, t, cond, 1.0)
-    (2 * detached * g * cond_only).sum().backward()  # chain rule of Σ out² through out = … + g·cond
-    expected = torch.cat([p.grad.flatten() for p in params])
-    assert (grad_detached - expected).norm() <= 1e-4 * expected.norm()  # float32 sums in another order
-    # and the full gradient differs: (1 − g)·d(uncond) is in it
-    assert (grad_both - grad_detached).norm() > 1e-3 * grad_both.norm()
+    assert_detach_uncond_trains_only_the_conditional_branch(a, x, torch.tensor(500.0), cond, 4.5)
 
 
 # -- DanceGRPO's step without the score term, x̂0, and σ' = 0 ---------------------------------------
