@@ -40,8 +40,8 @@ import chess  # noqa: E402
 from flowalign.chess.puzzles import DEFAULT_PUZZLES, Puzzle, read_puzzles, sample_puzzles  # noqa: E402
 from reward_models.chess.engine import SearchLimit, StockfishPool  # noqa: E402
 from reward_models.chess.themes import EVAL_SCALE, SUPPORTED_THEMES, tag_themes  # noqa: E402
-from reward_models.chess.uniqueness import (DEFAULT_RULE, LICHESS, LineScore, Rule, _judge,  # noqa: E402
-                                             _step)
+from reward_models.chess.uniqueness import (DEFAULT_RULE, LICHESS, LICHESS_GENERATOR, LineScore,  # noqa: E402
+                                             Rule, _judge, _step, ends_line)
 
 
 def _ratio(a: int, b: int) -> float | None:
@@ -99,13 +99,16 @@ def measure_tagger(puzzles: list[Puzzle], evals: dict[str, int | None], setup: b
 def _verdict(p: Puzzle, steps: dict[str, list[dict]], rule: Rule, deep: bool) -> str:
     """Offline verdict on Lichess's line from recorded searches: "unique" or the first failure kind.
     ``deep``: use the deeper search of a step where one was made (the adaptive rule)."""
-    board = p.solver_board()
+    board, first = p.solver_board(), None
     for i in range(0, len(p.solution), 2):
         records = steps[board.fen()]
         rec = records[-1] if deep else records[0]
         best = LineScore(**rec["best"])
         second = LineScore(**rec["second"]) if rec["second"] else None
+        first = first or best
         problem, _ = _judge(best, second, rule, i == 0, None)
+        if ends_line(problem, i // 2, first):
+            return "unique"
         if problem:
             return problem[0]
         board.push_uci(p.solution[i])
@@ -121,7 +124,11 @@ def uniqueness_rules(rule: Rule) -> dict[str, tuple[Rule, bool]]:
     scaled = dataclasses.replace(rule, cp_scale=EVAL_SCALE)
     return {"default_base": (DEFAULT_RULE, False), "lichess_base": (LICHESS, False), "lichess_adaptive": (rule, True),
             "lichess_scaled_base": (dataclasses.replace(LICHESS, cp_scale=EVAL_SCALE), False),
-            "lichess_scaled_adaptive": (scaled, True)}
+            "lichess_scaled_adaptive": (scaled, True),
+            # the generator of 2020–22: Stockfish 12–15's cp scale and win chance (uniqueness.LICHESS_GENERATOR)
+            "generator_base": (LICHESS_GENERATOR, False),
+            "generator_adaptive": (dataclasses.replace(LICHESS_GENERATOR, deep_nodes=rule.deep_nodes,
+                                                       margin=rule.margin), True)}
 
 
 def summarise_uniqueness(rows: list[dict], rules: dict, seconds: float, rule: Rule) -> dict:
@@ -213,7 +220,7 @@ def _tagger_table(tagger: dict, fmt) -> list[str]:
 
 def _uniqueness_table(u: dict) -> list[str]:
     names = [n for n in ("default_base", "lichess_base", "lichess_adaptive", "lichess_scaled_base",
-                         "lichess_scaled_adaptive") if n in u["all"]]
+                         "lichess_scaled_adaptive", "generator_base", "generator_adaptive") if n in u["all"]]
     lines = ["", "| puzzles | n | " + " | ".join(names)
              + " | nodes per puzzle | deep searches per puzzle | s per puzzle |",
              "|---|---|" + "---|" * (len(names) + 3)]

@@ -97,6 +97,66 @@ def test_lichess_rule_by_hand():
     assert _judge(LineScore("a", cp=150), LineScore("b", cp=-900), DEFAULT_RULE, False, None)[0] is None
 
 
+
+def test_lichess_generator_rule_by_hand():
+    # Stockfish 12–15's cp = 15.1's × 361/208 (the same internal score), W with lichess-puzzler's 0.004 of 2020–22
+    from reward_models.chess.uniqueness import LICHESS, LICHESS_GENERATOR, _judge
+
+    def w(cp):  # by hand, not through the module
+        return 2 / (1 + math.exp(-0.004 * cp)) - 1
+
+    # 400 cp vs 0: W(400) = 0.626 < 0.7 on our scale; 400 × 361/208 = 694 cp there, W 0.883 > 0.7
+    assert _judge(LineScore("a", cp=400), LineScore("b", cp=0), LICHESS, True, None)[0][0] == "close_second"
+    problem, slack = _judge(LineScore("a", cp=400), LineScore("b", cp=0), LICHESS_GENERATOR, True, None)
+    assert problem is None and slack == pytest.approx(w(694) - 0.7, abs=1e-4)
+    # 150 cp is not winning for Lichess's 200 cp on our scale, and is (260 cp) on theirs
+    assert _judge(LineScore("a", cp=150), LineScore("b", cp=-900), LICHESS, True, None)[0][0] == "not_winning"
+    problem, slack = _judge(LineScore("a", cp=150), LineScore("b", cp=-900), LICHESS_GENERATOR, True, None)
+    assert problem is None and slack == pytest.approx(w(260) - w(200), abs=1e-4)
+    # a mate in 2 whose alternative keeps 100 cp (174 there: W 0.34): 1 − 0.34 < 0.7 fails there, passes here
+    assert _judge(LineScore("a", mate=2), LineScore("b", cp=100), LICHESS, True, None)[0] is None
+    problem, slack = _judge(LineScore("a", mate=2), LineScore("b", cp=100), LICHESS_GENERATOR, True, None)
+    assert problem[0] == "close_second" and slack == pytest.approx(1 - w(174) - 0.7, abs=1e-4)
+
+
+def test_a_known_line_ends_at_a_later_close_second_unless_it_mates():
+    # lichess-puzzler's cook_advantage: a solver move that is not unique ends the line, which stands with
+    # ≥ 2 solver moves; cook_mate: every move of a mate must be unique
+    import importlib.util
+    import sys
+
+    from reward_models.chess.uniqueness import LICHESS, ends_line
+
+    close, winning, mate = ("close_second", "…"), LineScore("a", cp=700), LineScore("a", mate=3)
+    assert [ends_line(close, k, winning) for k in range(4)] == [False, False, True, True]
+    assert not ends_line(close, 2, mate) and not ends_line(("not_winning", "…"), 2, winning)
+    assert not ends_line(None, 2, winning)
+    # the measurement's offline verdict (recorded searches) follows it, on a line of three solver moves
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    path = Path(__file__).resolve().parents[1] / "scripts/measure_chess_rewards.py"
+    spec = importlib.util.spec_from_file_location("measure_chess_rewards", path)
+    measure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(measure)
+    start = chess.Board("7k/8/8/8/8/8/5PPP/R5K1 w - - 0 1")
+    solution = ["a1a2", "h8g8", "a2a3", "g8h8", "a3a4"]
+
+    def verdict(close_at: int) -> str:
+        board, steps = start.copy(), {}
+        for k in range(3):
+            second = 650 if k == close_at else 0
+            steps[board.fen()] = [{"best": {"move": solution[2 * k], "cp": 700, "mate": None},
+                                   "second": {"move": "g1f1", "cp": second, "mate": None}}]
+            board.push_uci(solution[2 * k])
+            if 2 * k + 1 < len(solution):
+                board.push_uci(solution[2 * k + 1])
+        puzzle = SimpleNamespace(solver_board=start.copy, solution=solution)
+        return measure._verdict(puzzle, steps, LICHESS, False)
+
+    assert [verdict(k) for k in (None, 0, 1, 2)] == ["unique", "close_second", "close_second", "unique"]
+
 # --- the Stockfish pool ------------------------------------------------------------------------
 
 def _wait_dead(pid: int, timeout: float = 5.0) -> None:

@@ -39,7 +39,8 @@ from reward_models.base import Reward, register_reward
 from reward_models.chess.engine import SearchLimit, StockfishPool
 from reward_models.chess.legality import legality_problems
 from reward_models.chess.themes import EVAL_SCALE, SUPPORTED_THEMES, replay, tag_line
-from reward_models.chess.uniqueness import DEFAULT_RULE, LICHESS, UniquenessResult, check_position
+from reward_models.chess.uniqueness import (DEFAULT_RULE, LICHESS, LICHESS_GENERATOR, UniquenessResult,
+                                             check_position)
 
 NAN = float("nan")
 
@@ -108,9 +109,10 @@ class ChessPuzzleReward(Reward):
 
     Engine settings: ``engines`` Stockfish processes of one thread and ``hash_mb`` each, every
     search limited to ``nodes`` (capped at ``time_limit`` s); ``gap``, ``min_first_cp`` and
-    ``max_solver_moves`` as in ``uniqueness.check_position``; ``rule``: "default" (gap 0.5) or
-    "lichess" (Lichess's generator thresholds, ``uniqueness.LICHESS``, on our cp × ``EVAL_SCALE``;
-    ``gap`` / ``min_first_cp`` still override), with ``deep_nodes`` to re-search close steps
+    ``max_solver_moves`` as in ``uniqueness.check_position``; ``rule``: "default" (gap 0.5),
+    "lichess" (Lichess's generator thresholds, ``uniqueness.LICHESS``, on our cp × ``EVAL_SCALE``)
+    or "lichess_generator" (the same thresholds on Stockfish 12–15's cp scale with the win chance
+    of 2020–22, ``uniqueness.LICHESS_GENERATOR``; ``gap`` / ``min_first_cp`` still override), with ``deep_nodes`` to re-search close steps
     deeper. The evaluation themes (advantage, crushing, equality) come from the engine's score of
     the line's last solver move. The engines start at the first
     call and stop with ``close()`` (or when the reward is garbage-collected).
@@ -122,9 +124,10 @@ class ChessPuzzleReward(Reward):
                  gap: float | None = None, min_first_cp: int | None = None, max_solver_moves: int = 5,
                  strict_material: bool = False, stockfish: str | None = None, rule: str = "default",
                  deep_nodes: int | None = None):
-        # "lichess": Lichess's generator's thresholds on our cp scaled to its scale (the variant that agreed
-        # best with Lichess's puzzles, docs/chess.md)
-        rules = {"default": DEFAULT_RULE, "lichess": dataclasses.replace(LICHESS, cp_scale=EVAL_SCALE)}
+        # "lichess": Lichess's generator's thresholds on our cp × the tagger's fitted scale; "lichess_generator":
+        # on the scale and win chance Stockfish's and lichess-puzzler's sources give (docs/chess.md compares them)
+        rules = {"default": DEFAULT_RULE, "lichess": dataclasses.replace(LICHESS, cp_scale=EVAL_SCALE),
+                 "lichess_generator": LICHESS_GENERATOR}
         if rule not in rules:
             raise ValueError(f"chess_puzzle: rule must be one of {sorted(rules)}, got {rule!r}")
         self.pool_kwargs = dict(size=engines, limit=SearchLimit(nodes=nodes, time=time_limit), path=stockfish,

@@ -117,7 +117,10 @@ class Rule:
     mate_in_one_max: at a mate in one, the best non-mating move's W at most this (None: no limit);
     deep_nodes / margin: re-search a step at ``deep_nodes`` when its slack is below ``margin``;
     cp_scale: multiply the engine's cp by this before judging (Lichess's thresholds were set on
-    deeper searches of other Stockfish versions, on a larger scale: ``themes.EVAL_SCALE``).
+    deeper searches of other Stockfish versions, on a larger scale: ``themes.EVAL_SCALE``, or
+    ``SF15_1_TO_SF12_15`` from Stockfish's own source);
+    win_k: the win-chance constant of W, 2/(1+exp(−win_k·cp)) − 1 (0.004 in lichess-puzzler
+    until 2022-08-22, then ``WIN_CHANCE_K``).
     """
 
     gap: float = 0.5
@@ -128,10 +131,17 @@ class Rule:
     deep_nodes: int | None = None
     margin: float = 0.15
     cp_scale: float = 1.0
+    win_k: float = WIN_CHANCE_K
 
 
 DEFAULT_RULE = Rule()
 LICHESS = Rule(gap=0.7, strict_gap=True, every_move_cp=True, mate_in_one_max=0.6)
+# Stockfish 12–15 printed cp = internal / PawnValueEg (208); 15.1 (Debian's, ours) prints internal /
+# NormalizeToPawnValue (361), so the same internal score reads 361/208 ≈ 1.74× larger in the versions
+# lichess-puzzler ran in 2020–22, when most of the puzzle database was generated (src/uci.cpp)
+SF15_1_TO_SF12_15 = 361 / 208
+# Lichess's generator as it ran then: its thresholds on that cp scale, and its win chance of the time
+LICHESS_GENERATOR = dataclasses.replace(LICHESS, cp_scale=SF15_1_TO_SF12_15, win_k=0.004)
 
 
 @dataclass
@@ -169,8 +179,11 @@ def _mates_in_one(board: chess.Board) -> int:
     return count
 
 
-def _scaled(score: LineScore | None, k: float) -> LineScore | None:
-    return score if score is None or score.cp is None else dataclasses.replace(score, cp=round(score.cp * k))
+def _scaled(score: LineScore | None, k: float, exact: bool = False) -> LineScore | None:
+    """The score with its cp × k (rounded to a cp, as an engine prints it, unless ``exact``)."""
+    if score is None or score.cp is None:
+        return score
+    return dataclasses.replace(score, cp=score.cp * k if exact else round(score.cp * k))
 
 
 def _judge(best: LineScore, second: LineScore | None, rule: Rule, first_move: bool,
@@ -179,12 +192,15 @@ def _judge(best: LineScore, second: LineScore | None, rule: Rule, first_move: bo
     (negative when it fails). ``non_mating``: the best non-mating move at a mate in one."""
     if rule.cp_scale != 1.0:
         best, second, non_mating = (_scaled(x, rule.cp_scale) for x in (best, second, non_mating))
+    cp = -10**6 if best.mate is not None else best.cp
+    if rule.win_k != WIN_CHANCE_K:  # W with win_k on cp = W with WIN_CHANCE_K on cp·win_k/WIN_CHANCE_K
+        best, second, non_mating = (_scaled(x, rule.win_k / WIN_CHANCE_K, exact=True)
+                                    for x in (best, second, non_mating))
     slacks, problem = [], None
     if not best.mates and (first_move or rule.every_move_cp):
-        cp = -10**6 if best.mate is not None else best.cp
-        slacks.append(best.win - win_chance(rule.min_first_cp))
+        slacks.append(best.win - win_chance(rule.min_first_cp * rule.win_k / WIN_CHANCE_K))
         if cp < rule.min_first_cp:
-            got = f"mated in {-best.mate}" if best.mate is not None else f"{best.cp} cp"
+            got = f"mated in {-best.mate}" if best.mate is not None else f"{cp} cp"
             problem = ("not_winning", f"{'first' if first_move else 'solver'} move not winning "
                                       f"({got} < {rule.min_first_cp} cp)")
     if second is not None and problem is None:
@@ -292,9 +308,20 @@ def check_position(board: chess.Board, engine: EngineHandle, gap: float | None =
     return UniquenessResult(True, "unique", "unique", line, first, last=last, steps=steps)
 
 
+def ends_line(problem: tuple[str, str] | None, k: int, first: LineScore) -> bool:
+    """Does solver move k (0-based) of a known line end it instead of failing it? Lichess's
+    convention: a close second at the third solver move or later of a line that does not mate."""
+    return problem is not None and problem[0] == "close_second" and k >= 2 and not first.mates
+
+
 def check_line(board: chess.Board, solution: Sequence[str], engine: EngineHandle, gap: float | None = None,
                min_first_cp: int | None = None, rule: Rule | None = None) -> UniquenessResult:
-    """Uniqueness of a known solution (solver move, reply, …, ending on a solver move)."""
+    """Uniqueness of a known solution (solver move, reply, …, ending on a solver move).
+
+    Lichess's generator's convention for a line that does not mate: a solver move that is not
+    unique ends the line before it, and the line stands when it keeps at least two solver moves
+    (the generator discards one-movers). So a close second at the third solver move or later
+    gives "unique" with the line cut there (``line``); a mating line must be unique to the end."""
     rule = _rule(rule, gap, min_first_cp)
     board = board.copy(stack=False)
     line, first, last, steps = list(solution), None, None, []
@@ -308,6 +335,8 @@ def check_line(board: chess.Board, solution: Sequence[str], engine: EngineHandle
             best, second, _, problem = _step(engine, board, rule, k == 0, steps)
             if k == 0:
                 first = best
+            if ends_line(problem, k, first):
+                return UniquenessResult(True, "unique", "unique", line[:i - 1], first, last=last, steps=steps)
             last = best
             if problem:
                 return fail(problem[0], f"solver move {k + 1}: {problem[1]}")
