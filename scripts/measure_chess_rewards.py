@@ -119,16 +119,19 @@ def _verdict(p: Puzzle, steps: dict[str, list[dict]], rule: Rule, deep: bool) ->
     return "unique"
 
 
+# the rules a run can use to decide where to search deeper (--deep-rule)
+DEEP_RULES = {"lichess": LICHESS, "lichess_scaled": dataclasses.replace(LICHESS, cp_scale=EVAL_SCALE),
+              "lichess_generator": LICHESS_GENERATOR}
+
+
 def uniqueness_rules(rule: Rule) -> dict[str, tuple[Rule, bool]]:
-    """The rules judged offline from one set of searches: name → (rule, use the deeper searches)."""
-    scaled = dataclasses.replace(rule, cp_scale=EVAL_SCALE)
-    return {"default_base": (DEFAULT_RULE, False), "lichess_base": (LICHESS, False), "lichess_adaptive": (rule, True),
-            "lichess_scaled_base": (dataclasses.replace(LICHESS, cp_scale=EVAL_SCALE), False),
-            "lichess_scaled_adaptive": (scaled, True),
+    """The rules judged offline from one set of searches: name → (rule, use the deeper searches
+    where the run made them). ``rule``: the run's (unused: the verdicts read the recorded searches)."""
+    return {"default_base": (DEFAULT_RULE, False), "lichess_base": (LICHESS, False),
+            "lichess_adaptive": (LICHESS, True), "lichess_scaled_base": (DEEP_RULES["lichess_scaled"], False),
+            "lichess_scaled_adaptive": (DEEP_RULES["lichess_scaled"], True),
             # the generator of 2020–22: Stockfish 12–15's cp scale and win chance (uniqueness.LICHESS_GENERATOR)
-            "generator_base": (LICHESS_GENERATOR, False),
-            "generator_adaptive": (dataclasses.replace(LICHESS_GENERATOR, deep_nodes=rule.deep_nodes,
-                                                       margin=rule.margin), True)}
+            "generator_base": (LICHESS_GENERATOR, False), "generator_adaptive": (LICHESS_GENERATOR, True)}
 
 
 def summarise_uniqueness(rows: list[dict], rules: dict, seconds: float, rule: Rule) -> dict:
@@ -249,6 +252,8 @@ def main() -> None:
     ap.add_argument("--deep-nodes", type=int, default=1_000_000,
                     help="uniqueness: re-search a step this deep when within --margin of a threshold")
     ap.add_argument("--margin", type=float, default=0.15)
+    ap.add_argument("--deep-rule", choices=sorted(DEEP_RULES), default="lichess",
+                    help="the rule whose slack (< --margin) decides which steps are searched again at --deep-nodes")
     ap.add_argument("--rescore", default=None, metavar="JSON",
                     help="recompute the uniqueness verdicts of an earlier --out from its recorded searches")
     ap.add_argument("--unique-puzzles", type=int, default=200)
@@ -309,7 +314,7 @@ def main() -> None:
     with StockfishPool(size=1, limit=limit, path=args.stockfish, threads=1, hash_mb=16) as pool:
         settings["stockfish"] = f"{pool.path} ({_stockfish_version(pool.path)})"
         print("settings:", json.dumps({k: v for k, v in settings.items() if k != "command"}), flush=True)
-        rule = dataclasses.replace(LICHESS, deep_nodes=args.deep_nodes, margin=args.margin)
+        rule = dataclasses.replace(DEEP_RULES[args.deep_rule], deep_nodes=args.deep_nodes, margin=args.margin)
         uniqueness = measure_uniqueness(unique_sample, pool, args.unique_puzzles, args.unique_seconds, rule)
     result = {"settings": settings, "tagger": tagger, "uniqueness": uniqueness}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
