@@ -262,7 +262,8 @@ def main() -> None:
     out = Path(args.out)
     pipe.save_pretrained(out)
     (out / "pretraining.json").write_text(json.dumps(
-        {"command": " ".join(["python", *sys.argv]), **vars(args), "steps_done": steps_done, "train_triples": len(prompts), "held_out_edits": len(test_records),
+        {"command": " ".join(["python", *sys.argv]), **vars(args), "steps_done": steps_done,
+         "train_triples": len(prompts), "held_out_edits": len(test_records),
          "reused": f"VAE, first CLIP text encoder and tokenizer of {args.source}",
          "minutes": round((time.time() - start) / 60, 2), **log}, indent=2))
     print(f"saved to {out} after {(time.time() - start) / 60:.1f} min")
