@@ -16,7 +16,7 @@ import logging
 import os
 from pathlib import Path
 
-BUILTIN_SOURCES = ("shapes", "chess", "av")  # "<world>:<split>" sources, not files
+BUILTIN_SOURCES = ("shapes", "shapes_edit", "chess", "av")  # "<world>:<split>" sources, not files
 DATASET_PREFIX = "hf:"  # hf:PATH[:SPLIT], a Hugging Face dataset (datasets.load_from_disk / load_dataset)
 DATASET_FILES = {".parquet": "parquet", ".arrow": "arrow"}  # read through datasets too
 
@@ -25,7 +25,9 @@ log = logging.getLogger(__name__)
 
 def load_prompts(source: str | list) -> list[dict]:
     """A list given in Python (prompt strings or records with a "prompt" key) as records, or
-    ``"shapes:train"`` / ``"shapes:test"`` / ``"shapes:all"``, ``"chess:train"`` /
+    ``"shapes:train"`` / ``"shapes:test"`` / ``"shapes:all"``, ``"shapes_edit:train"`` /
+    ``"shapes_edit:test"`` / ``"shapes_edit:all"`` (the edit world's records, their input images written
+    once to a temporary folder: ``reward_models.worlds.shapes_edit.edit_prompt_file``), ``"chess:train"`` /
     ``"chess:test"`` (theme requests, ``flowalign.chess.requests``; ``chess:<split>:<model folder>``
     for another model's split), ``"av:train"`` / ``"av:test"`` / ``"av:all"`` (the audio-video
     world, ``reward_models.worlds.audio_video``), a ``.txt`` file (one prompt per line), a ``.jsonl`` file (one
@@ -44,6 +46,10 @@ def load_prompts(source: str | list) -> list[dict]:
         from reward_models.worlds.shapes import prompt_split
 
         return prompt_split(source.split(":", 1)[1])
+    if source.startswith("shapes_edit:"):  # edit records whose input images are written once (edit_prompt_file)
+        from reward_models.worlds.shapes_edit import edit_prompt_file
+
+        return load_prompts(str(edit_prompt_file(source.split(":", 1)[1])))
     if source.startswith("av:"):
         from reward_models.worlds.audio_video import prompt_split as av_split
 
@@ -59,7 +65,7 @@ def load_prompts(source: str | list) -> list[dict]:
     if path.is_dir() or path.suffix in DATASET_FILES:
         return dataset_records(source)
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file not found: tried {path.resolve()} (or use shapes:train / shapes:test / chess:train / chess:test / av:train / av:test)")
+        raise FileNotFoundError(f"prompt file not found: tried {path.resolve()} (or use shapes:train / shapes:test / shapes_edit:train / shapes_edit:test / chess:train / chess:test / av:train / av:test)")
     if path.suffix == ".jsonl":
         records = []
         for number, line in enumerate(path.read_text().splitlines(), 1):

@@ -5,7 +5,8 @@ shapes, colours and renderer it shares. ``reward_models/shapes_edit.py`` checks 
 against its input.
 
 An edit record is a prompt record with the instruction, the input image's path (once written,
-``write_edit_prompts``) and what the verifier reads::
+``write_edit_prompts``; the prompt sources ``shapes_edit:train`` / ``shapes_edit:test`` write and
+read one, ``edit_prompt_file``) and what the verifier reads::
 
     {"prompt": "make the red circle blue", "tag": "recolor", "image": ".../input.png",
      "edit": {"kind": "recolor", "class": "circle", "from": "red", "to": "blue"},
@@ -23,7 +24,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
+import shutil
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -135,19 +139,47 @@ def render_edit(record: dict, size: int = IMAGE_SIZE) -> tuple[Image.Image, Imag
     return draw_objects(record["objects"], size), draw_objects(edited_objects(record, size), size)
 
 
+def edit_records(split: str, seed: int = 0, size: int = IMAGE_SIZE) -> list[dict]:
+    """Every edit of ``split`` laid out (seeded): records with "objects" and no "image" yet."""
+    rng = random.Random(zlib.crc32(f"{split}:{seed}".encode()))
+    records = []
+    for edit in edit_split(split):
+        record = {k: v for k, v in edit.items() if k != "other"}
+        record["objects"] = layout_scene(edit, rng, size)
+        records.append(record)
+    return records
+
+
 def write_edit_prompts(folder: str | Path, split: str, seed: int = 0, size: int = IMAGE_SIZE) -> Path:
     """Lay out and draw every edit of ``split`` (seeded), save each input as ``inputs/<i>.png`` and the
     records as ``<split>.jsonl`` in ``folder`` (a prompt file: ``data.train_prompts`` / ``--prompts``)."""
     folder = Path(folder)
     (folder / "inputs").mkdir(parents=True, exist_ok=True)
-    rng = random.Random(zlib.crc32(f"{split}:{seed}".encode()))
     lines = []
-    for i, edit in enumerate(edit_split(split)):
-        record = {k: v for k, v in edit.items() if k != "other"}
-        record["objects"] = layout_scene(edit, rng, size)
+    for i, record in enumerate(edit_records(split, seed, size)):
         record["image"] = f"inputs/{split}-{i}.png"
         draw_objects(record["objects"], size).save(folder / record["image"])
         lines.append(json.dumps(record))
     path = folder / f"{split}.jsonl"
     path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def edit_prompt_file(split: str, seed: int = 0, size: int = IMAGE_SIZE, cache: str | Path | None = None) -> Path:
+    """The prompt file of the ``shapes_edit:<split>`` source (``flowalign.prompts``): ``write_edit_prompts``'
+    file in a folder of ``cache`` (default: the system's temporary folder) named by a checksum of the
+    records, written once. The records are laid out afresh on every call (they are what is checked), so
+    a folder written by an older layout is never read; the folder is written elsewhere and renamed into
+    place, so processes starting together (one per GPU) never read a half-written one."""
+    digest = zlib.crc32(json.dumps(edit_records(split, seed, size)).encode())
+    folder = Path(cache or tempfile.gettempdir()) / f"flowalign-shapes-edit-{split}-{seed}-{size}-{digest:08x}"
+    path = folder / f"{split}.jsonl"
+    if not path.is_file():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+        write_edit_prompts(scratch, split, seed, size)
+        try:
+            os.replace(scratch, folder)
+        except OSError:  # another process renamed its copy first
+            shutil.rmtree(scratch, ignore_errors=True)
     return path
