@@ -15,7 +15,8 @@ For each request in ``<model>/split.json`` (written by ``scripts/pretrain_chess.
   left out and counted in ``engine_failed``); ``best_move_on_legal``: ``best_move`` over the legal
   boards only, with ``move_chance`` beside it, the rate a uniformly random legal move would
   reach on the same boards (mean of 1 / number of legal moves; 0 on a mate or stalemate);
-  ``legal_count`` the number of those boards. A model pre-trained without the move task
+  ``legal_count`` the number of those boards; the same on the unique boards (``best_move_on_unique``,
+  ``move_chance_on_unique``, ``unique_count``), where the engine's first move is the puzzle's solution. A model pre-trained without the move task
   writes no move: its ``best_move`` is None (all NaN);
 - diversity: ``distinct`` (distinct boards / samples, board = the first four FEN fields) and
   ``board_distance`` (mean over pairs of samples of one request of the fraction of the 64
@@ -76,6 +77,10 @@ def summarise(rows: list[dict], tokens: torch.Tensor) -> dict:
         out["engine_failed"] = sum(math.isnan(r["unique"]) for r in rows)
         out["best_move_on_legal"] = nanmean([r["best_move"] for r in legal])
         out["move_chance"] = nanmean([r["move_chance"] for r in legal])
+        unique = [r for r in legal if r["unique"] == 1.0]
+        out["unique_count"] = len(unique)
+        out["best_move_on_unique"] = nanmean([r["best_move"] for r in unique])
+        out["move_chance_on_unique"] = nanmean([r["move_chance"] for r in unique])
     return out
 
 
