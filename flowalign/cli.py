@@ -296,7 +296,8 @@ def _sample_chess(args, model: str, loading: dict, seeds: list[int]) -> int:
     steps = args.steps if args.steps is not None else 16
     try:
         puzzles = sampling.generate(adapter.pipe, args.prompt, seeds, partial_fen=args.partial_fen, fixed=args.fixed,
-                                    num_steps=steps, guidance_scale=args.guidance, reward=reward)
+                                    num_steps=steps, guidance_scale=args.guidance, reward=reward,
+                                    move_schedule=args.move_schedule)
     finally:
         if reward is not None:
             reward.close()
@@ -458,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chess: what of --partial-fen to keep, a comma list of 'pieces' (its occupied squares), "
                         "square names, 'turn', 'castling', 'ep' or 'all' (default: pieces)")
     p.add_argument("--nodes", type=int, default=100_000, help="chess: Stockfish nodes per search")
+    p.add_argument("--move-schedule", default="joint", choices=("joint", "last"),
+                   help="chess: unmask the model's own best move with the board (joint) or after it, as the "
+                        "most probable legal move (last; docs/chess.md)")
     p.add_argument("--no-engine", action="store_true", help="chess: boards only (legality, no solution)")
     p.add_argument("--boards", default=None, metavar="DIR", help="chess: also write an SVG diagram per legal puzzle")
     p.set_defaults(func=cmd_sample)

@@ -6,6 +6,18 @@ optionally around a partial board (fixed tokens kept: inpainting). ``ChessAdapte
 model as the RL core sees it: ``prediction = "logits"``, so a trainer samples it with
 ``pipelines.unmasking.rollout`` and trains it with ``objectives.masked_ddpo``.
 
+Move schedule (``move_schedule``): ``"joint"`` unmasks the three best-move positions at random
+steps together with the board, as pre-training masks them, so the move is usually committed
+before the board it belongs to exists. ``"last"`` unmasks the board alone (the move positions
+stay ``[MASK]`` in the model's input, and the board's plan and random draws are those of a
+73 − 3 = 70-position sequence, as for a model without the move task), then the move in one
+more forward pass at the finished board: when the board is valid (python-chess
+``Board.is_valid()``), the legal move whose three tokens are most probable together
+(``choose_moves``: greedy over the legal moves), so the move is always legal; on an invalid
+board each position's most probable token. The default stays ``"joint"``: it is what the DDPO rollout (``pipelines.unmasking``)
+samples and trains, and what every earlier measurement used. A model pre-trained without the
+move task (``config.move_task`` False) never samples a move: its move positions are fixed "-".
+
 Classifier-free guidance (``guidance_scale`` g > 1) mixes log-probabilities, per position over
 its allowed tokens: log π_u + g·(log π_c − log π_u), with the unconditional branch the empty theme
 request on the same board (pre-training drops the themes at random, so that branch is trained).
@@ -17,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+import chess
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
@@ -61,6 +74,58 @@ def partial_tokens(fen: str, keep: Iterable[int | str], move: str | None = None)
     return out
 
 
+MOVE_SCHEDULES = ("joint", "last")
+_ABSENT_ID = tokenizer.TOKEN_ID[tokenizer.ABSENT]
+
+
+def _move_tokens(move: chess.Move) -> tuple[int, int, int]:
+    promo = tokenizer.ABSENT if move.promotion is None else f"promo:{chess.piece_symbol(move.promotion)}"
+    return (tokenizer.TOKEN_ID[chess.square_name(move.from_square)],
+            tokenizer.TOKEN_ID[chess.square_name(move.to_square)], tokenizer.TOKEN_ID[promo])
+
+
+def legal_move_tokens(ids: Sequence[int]) -> list[tuple[int, int, int]] | None:
+    """The legal moves of the board in ``ids[:70]`` (token ids, no MASK there) as (from, to,
+    promotion) token triples; ``[("-", "-", "-")]`` (as ids) when it has none (mate, stalemate);
+    None when python-chess does not call the board valid (then no move is legal or illegal)."""
+    try:
+        fen, _ = tokenizer.decode(list(ids[:tokenizer.BOARD_LEN]) + [_ABSENT_ID] * 3)
+        board = chess.Board(fen)
+    except (tokenizer.TokenError, ValueError):
+        return None
+    if not board.is_valid():
+        return None
+    return [_move_tokens(m) for m in board.legal_moves] or [(_ABSENT_ID,) * 3]
+
+
+def choose_moves(logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The "last" schedule's move: logits [B, L, V] of the finished boards x long [B, L] (the
+    move positions MASK where free, a token where fixed) → x with every free move position
+    filled. Each move m of ``legal_move_tokens`` that agrees with the fixed move tokens scores
+    Σ log π(m's token | x, ℓ) over the free move positions ℓ (the model's per-position
+    categoricals at the finished board); the best one is taken (greedy: the move is the
+    model's prediction of the solution, not generated content). A row with no valid board or no
+    agreeing legal move takes each free position's most likely allowed token."""
+    out = x.clone()
+    log_pi = torch.log_softmax(logits[:, tokenizer.BOARD_LEN:].float(), dim=-1).cpu()  # [B, 3, V]
+    for row, ids in enumerate(x.tolist()):
+        given = ids[tokenizer.BOARD_LEN:]
+        free = [slot for slot, t in enumerate(given) if t == tokenizer.MASK_ID]
+        if not free:
+            continue
+        moves = [m for m in legal_move_tokens(ids) or []
+                 if all(m[slot] == t for slot, t in enumerate(given) if t != tokenizer.MASK_ID)]
+        if moves:
+            cand = torch.tensor(moves)  # [M, 3]
+            score = log_pi[row, free][torch.arange(len(free))[None], cand[:, free]].sum(-1)  # [M]
+            chosen = cand[int(score.argmax())].tolist()
+        else:
+            chosen = log_pi[row].argmax(-1).tolist()
+        for slot in free:
+            out[row, tokenizer.BOARD_LEN + slot] = chosen[slot]
+    return out
+
+
 def decode_boards(tokens: torch.Tensor) -> list[tuple[str, str | None]]:
     """Generated tokens [B, L] → B (FEN, best move or None). A half-specified move (one square
     and one "-") is dropped rather than failing the board; a leftover MASK is a ``TokenError``."""
@@ -102,20 +167,51 @@ class ChessPuzzlePipeline(DiffusionPipeline):
     @torch.no_grad()
     def __call__(self, themes: Sequence[str | Sequence[str]], *, partial: torch.Tensor | None = None,
                  num_steps: int = 16, schedule: str = "cosine", temperature: float = 1.0,
-                 guidance_scale: float = 1.0, generator: torch.Generator | None = None,
-                 return_dict: bool = True):
+                 guidance_scale: float = 1.0, move_schedule: str = "joint",
+                 generator: torch.Generator | None = None, return_dict: bool = True):
         """themes: B requests (space-separated keys or lists; "" = unconditional; one string = one
         sample); partial: long [B, L] or [L] (``partial_tokens``; MASK where free), its tokens
         kept as given. Schedule and temperature as in ``pipelines.unmasking``; the
-        default 16 steps unmask ~4.6 positions per step on average."""
+        default 16 steps unmask ~4.6 positions per step on average. ``move_schedule``: "joint" or
+        "last" (the module docstring; "last" adds up to three steps for the move)."""
+        if move_schedule not in MOVE_SCHEDULES:
+            raise ValueError(f"move_schedule must be one of {MOVE_SCHEDULES}, got {move_schedule!r}")
         themes = [themes] if isinstance(themes, str) else list(themes)  # one request, not its characters
         cond = themes_and_fixed(self.model, themes, partial)
-        traj = rollout(lambda x: guided_logits(self.model, x, cond.tensors["themes"], guidance_scale),
-                       cond.tensors["fixed"], num_steps, schedule=schedule, temperature=temperature,
-                       generator=generator)
-        fens, moves = zip(*decode_boards(traj.samples)) if len(themes) else ((), ())
-        out = ChessPuzzlePipelineOutput(list(fens), list(moves), traj.samples)
+        logits_fn = lambda x: guided_logits(self.model, x, cond.tensors["themes"], guidance_scale)  # noqa: E731
+        if move_schedule == "joint":
+            samples = rollout(logits_fn, cond.tensors["fixed"], num_steps, schedule=schedule,
+                              temperature=temperature, generator=generator).samples
+        else:
+            samples = move_last(logits_fn, cond.tensors["fixed"], num_steps, schedule=schedule,
+                                temperature=temperature, generator=generator)
+        fens, moves = zip(*decode_boards(samples)) if len(themes) else ((), ())
+        out = ChessPuzzlePipelineOutput(list(fens), list(moves), samples)
         return out if return_dict else (out.fens, out.moves, out.tokens)
+
+
+@torch.no_grad()
+def move_last(logits_fn, fixed: torch.Tensor, num_steps: int, *, schedule: str = "cosine",
+              temperature: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The "last" move schedule: fixed long [B, L] (MASK where free) → samples long [B, L]. The
+    board's free positions are unmasked by ``pipelines.unmasking.rollout`` in ``num_steps`` steps
+    with the move positions held out of the plan (and shown to the model as MASK); then one more
+    forward pass at the finished board picks the move (``choose_moves``)."""
+    free_move = fixed[:, tokenizer.BOARD_LEN:] == tokenizer.MASK_ID  # [B, 3]
+
+    def board_logits(x: torch.Tensor) -> torch.Tensor:
+        shown = x.clone()
+        shown[:, tokenizer.BOARD_LEN:] = fixed[:, tokenizer.BOARD_LEN:]
+        return logits_fn(shown)
+
+    held = fixed.clone()
+    held[:, tokenizer.BOARD_LEN:] = torch.where(free_move, _ABSENT_ID, fixed[:, tokenizer.BOARD_LEN:])  # out of the plan
+    x = rollout(board_logits, held, num_steps, schedule=schedule, temperature=temperature, generator=generator).samples
+    x = x.clone()
+    x[:, tokenizer.BOARD_LEN:] = fixed[:, tokenizer.BOARD_LEN:]
+    if not bool(free_move.any()):
+        return x
+    return choose_moves(logits_fn(x), x)
 
 
 def themes_and_fixed(model: ChessDiffusionModel, requests: list, partial: torch.Tensor | None) -> Conditioning:
@@ -132,6 +228,13 @@ def themes_and_fixed(model: ChessDiffusionModel, requests: list, partial: torch.
         allowed = tokenizer.allowed_token_mask()[torch.arange(tokenizer.SEQ_LEN), fixed.cpu()]
         if not bool((allowed | (fixed.cpu() == tokenizer.MASK_ID)).all()):
             raise ValueError("partial holds a token at a position that does not accept it (see tokenizer layout)")
+    if not model.config.move_task:
+        # Pre-trained without the best-move task: its move positions are never sampled, "-" = no move.
+        if bool((fixed[:, tokenizer.BOARD_LEN:] != tokenizer.MASK_ID).any()):
+            raise ValueError("this model was pre-trained without the best-move task (config.move_task false): "
+                             "a partial board cannot fix its move positions")
+        fixed = fixed.clone()
+        fixed[:, tokenizer.BOARD_LEN:] = _ABSENT_ID
     return Conditioning({"themes": model.encode_themes(requests), "fixed": fixed.clone().to(model.device)})
 
 

@@ -79,7 +79,10 @@ class ChessDiffusionModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
 
     Config: ``themes`` the conditioning vocabulary (order = multi-hot layout); ``dim``, ``layers``,
     ``heads``, ``mlp_ratio`` the transformer's size. ``seq_len`` and ``vocab_size`` are the
-    tokenizer's and checked against it at construction.
+    tokenizer's and checked against it at construction. ``move_task`` False marks a model
+    pre-trained without the auxiliary best-move task (``scripts/pretrain_chess.py
+    --no-move-task``, the ablation): it always sees ``[MASK]`` at the three move positions,
+    whatever it is given, and the pipeline writes "-" there instead of sampling them.
     """
 
     _supports_gradient_checkpointing = False
@@ -87,7 +90,7 @@ class ChessDiffusionModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
     @register_to_config
     def __init__(self, themes: tuple[str, ...] | list[str] = THEMES, dim: int = 128, layers: int = 4,
                  heads: int = 4, mlp_ratio: int = 4, seq_len: int = tokenizer.SEQ_LEN,
-                 vocab_size: int = tokenizer.VOCAB_SIZE):
+                 vocab_size: int = tokenizer.VOCAB_SIZE, move_task: bool = True):
         super().__init__()
         if (seq_len, vocab_size) != (tokenizer.SEQ_LEN, tokenizer.VOCAB_SIZE):
             raise ValueError(f"model built for seq_len={seq_len}, vocab_size={vocab_size}; the tokenizer has "
@@ -113,6 +116,10 @@ class ChessDiffusionModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         if themes.shape != (tokens.shape[0], len(self.config.themes)):
             raise ValueError(f"themes must be [B, {len(self.config.themes)}] multi-hot over config.themes, "
                              f"got {tuple(themes.shape)}")
+        if not self.config.move_task:
+            # Trained with the move always masked: showing it one now would be out of distribution.
+            tokens = tokens.clone()
+            tokens[:, tokenizer.BOARD_LEN:] = tokenizer.MASK_ID
         if mask_ratio is None:
             mask_ratio = (tokens == tokenizer.MASK_ID).float().mean(1)
         dim = self.config.dim

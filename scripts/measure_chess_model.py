@@ -12,7 +12,12 @@ For each request in ``<model>/split.json`` (written by ``scripts/pretrain_chess.
   installed): ``unique``, ``theme_match``, ``theme_score``, ``yield`` (legal ∧ unique ∧
   theme-matching), ``partial_yield`` (unique × theme_score) and ``best_move`` (the sample's own
   move tokens name the engine's first move), each the mean over samples (NaN = engine failure,
-  left out and counted in ``engine_failed``);
+  left out and counted in ``engine_failed``); ``best_move_on_legal``: ``best_move`` over the legal
+  boards only, with ``move_chance`` beside it, the rate a uniformly random legal move would
+  reach on the same boards (mean of 1 / number of legal moves; 0 on a mate or stalemate);
+  ``legal_count`` the number of those boards; the same on the unique boards (``best_move_on_unique``,
+  ``move_chance_on_unique``, ``unique_count``), where the engine's first move is the puzzle's solution. A model pre-trained without the move task
+  writes no move: its ``best_move`` is None (all NaN);
 - diversity: ``distinct`` (distinct boards / samples, board = the first four FEN fields) and
   ``board_distance`` (mean over pairs of samples of one request of the fraction of the 64
   squares that differ).
@@ -50,17 +55,32 @@ def move_is_legal(fen: str, move: str | None) -> bool:
         return False
 
 
+def chance_of_move(fen: str) -> float | None:
+    """1 / number of legal moves of a legal board (0 when there is none); None for an illegal one."""
+    if not is_legal(fen):
+        return None
+    n = chess.Board(fen).legal_moves.count()
+    return 1.0 / n if n else 0.0
+
+
 def nanmean(values: list[float]) -> float | None:
     finite = [v for v in values if not math.isnan(v)]
     return sum(finite) / len(finite) if finite else None
 
 
 def summarise(rows: list[dict], tokens: torch.Tensor) -> dict:
+    legal = [r for r in rows if r["legal"]]
     out = {"samples": len(rows), **{k: nanmean([r[k] for r in rows]) for k in ("legal", "move_legal")},
-           **diversity(tokens)}
+           "legal_count": len(legal), **diversity(tokens)}
     if "unique" in rows[0]:
         out.update({k: nanmean([r[k] for r in rows]) for k in REWARD_KEYS})
         out["engine_failed"] = sum(math.isnan(r["unique"]) for r in rows)
+        out["best_move_on_legal"] = nanmean([r["best_move"] for r in legal])
+        out["move_chance"] = nanmean([r["move_chance"] for r in legal])
+        unique = [r for r in legal if r["unique"] == 1.0]
+        out["unique_count"] = len(unique)
+        out["best_move_on_unique"] = nanmean([r["best_move"] for r in unique])
+        out["move_chance_on_unique"] = nanmean([r["move_chance"] for r in unique])
     return out
 
 
@@ -75,6 +95,8 @@ def main() -> None:
     parser.add_argument("--schedule", default="cosine")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--guidance-scale", type=float, default=1.0)
+    parser.add_argument("--move-schedule", default="joint", choices=("joint", "last"),
+                        help="when the best move is unmasked (pipelines/chess.py): with the board, or after it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-engine", action="store_true", help="legality and diversity only")
     parser.add_argument("--nodes", type=int, default=100_000, help="Stockfish nodes per search (the reward's default)")
@@ -105,10 +127,10 @@ def main() -> None:
     per_request, all_rows, all_tokens = [], [], []
     for k, request in enumerate(requests):
         out = pipe([request] * args.per_request, num_steps=args.num_steps, schedule=args.schedule,
-                   temperature=args.temperature, guidance_scale=args.guidance_scale,
+                   temperature=args.temperature, guidance_scale=args.guidance_scale, move_schedule=args.move_schedule,
                    generator=torch.Generator().manual_seed(args.seed * len(requests) + k))
-        rows = [{"legal": float(is_legal(fen)), "move_legal": float(move_is_legal(fen, move))}
-                for fen, move in zip(out.fens, out.moves)]
+        rows = [{"legal": float(is_legal(fen)), "move_legal": float(move_is_legal(fen, move)),
+                 "move_chance": chance_of_move(fen)} for fen, move in zip(out.fens, out.moves)]
         if reward is not None:
             scores = reward(out.tokens, [" ".join(request)] * len(rows), [{"themes": request}] * len(rows))
             for i, row in enumerate(rows):

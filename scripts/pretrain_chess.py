@@ -16,6 +16,12 @@ not MD4's ELBO weighting 1/t: the 1/t weight puts most of the loss on nearly cle
 is much noisier at this batch size; both have the same minimiser (the true posteriors). Themes
 are dropped for conditioning at random (each kept with probability ``--theme-keep``, all of them
 dropped with probability ``--uncond``) so partial and empty requests are trained too.
+
+``--no-move-task`` is the ablation of the auxiliary best-move task (METHODS §4): the same run in
+every other respect (seed, data, split, steps, schedule, the same random draws for the masks and
+themes), but the move positions are always ``[MASK]`` in the model's input and never in the
+loss. The saved model's config says ``move_task: false``, so the pipeline writes "-" there
+instead of sampling a move (its ``best_move`` reward is NaN).
 """
 
 from __future__ import annotations
@@ -74,14 +80,24 @@ def theme_matrix(puzzles: list[Puzzle]) -> torch.Tensor:
     return out
 
 
-def mask_batch(tokens: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """tokens [B, L] → (noisy tokens [B, L], masked bool [B, L]): ratio t stratified over the batch."""
+def mask_batch(tokens: torch.Tensor, generator: torch.Generator,
+               move_task: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [B, L] → (noisy tokens [B, L], trained bool [B, L]): ratio t stratified over the
+    batch, each position masked with probability t, at least one trained position per sample.
+    Without the move task the move positions are always masked and never trained; the random
+    draws are the same either way (same count and shapes), so both arms mask the board alike."""
     b, length = tokens.shape
     t = (torch.rand((), generator=generator) + torch.arange(b) / b) % 1.0
     masked = torch.rand(b, length, generator=generator) < t[:, None]
-    forced = torch.randint(length, (b,), generator=generator)
-    masked[torch.arange(b), forced] |= ~masked.any(1)  # at least one masked position per sample
-    return tokens.masked_fill(masked, tokenizer.MASK_ID), masked
+    trainable = length if move_task else tokenizer.BOARD_LEN
+    forced = torch.randint(trainable, (b,), generator=generator)
+    trained = masked.clone()
+    trained[:, trainable:] = False
+    trained[torch.arange(b), forced] |= ~trained.any(1)  # at least one trained position per sample
+    noisy = tokens.masked_fill(trained, tokenizer.MASK_ID)
+    if not move_task:
+        noisy[:, tokenizer.BOARD_LEN:] = tokenizer.MASK_ID
+    return noisy, trained
 
 
 def drop_themes(themes: torch.Tensor, keep: float, uncond: float, generator: torch.Generator) -> torch.Tensor:
@@ -91,8 +107,9 @@ def drop_themes(themes: torch.Tensor, keep: float, uncond: float, generator: tor
 
 def masked_loss(model: ChessDiffusionModel, tokens: torch.Tensor, themes: torch.Tensor,
                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mean CE over masked tokens, per-token CE [B, L], masked [B, L])."""
-    noisy, masked = mask_batch(tokens, generator)
+    """(mean CE over trained masked tokens, per-token CE [B, L], trained [B, L]); the model's
+    ``config.move_task`` says whether the move positions are trained."""
+    noisy, masked = mask_batch(tokens, generator, model.config.move_task)
     logits = model(noisy, themes)
     ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens, reduction="none")
     ce = torch.where(masked, ce, torch.zeros_like(ce))
@@ -102,7 +119,8 @@ def masked_loss(model: ChessDiffusionModel, tokens: torch.Tensor, themes: torch.
 @torch.no_grad()
 def heldout_loss(model: ChessDiffusionModel, tokens: torch.Tensor, themes: torch.Tensor, seed: int,
                  batch: int = 256) -> dict[str, float]:
-    """Masked CE on the held-out puzzles (same masks every call), overall / board / best move."""
+    """Masked CE on the held-out puzzles (same masks every call), overall / board / best move
+    (None without the move task: no move token is ever predicted)."""
     model.eval()
     g = torch.Generator().manual_seed(seed)
     sums = Counter()
@@ -113,7 +131,7 @@ def heldout_loss(model: ChessDiffusionModel, tokens: torch.Tensor, themes: torch
             sums[name] += ce[:, cols].sum().item()
             sums[name + "_n"] += masked[:, cols].sum().item()
     model.train()
-    return {name: sums[name] / max(sums[name + "_n"], 1) for name in ("all", "board", "move")}
+    return {name: sums[name] / sums[name + "_n"] if sums[name + "_n"] else None for name in ("all", "board", "move")}
 
 
 def main() -> None:
@@ -134,6 +152,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-move-task", dest="move_task", action="store_false",
+                        help="ablation: never show or train the best-move positions (see the docstring)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -146,7 +166,8 @@ def main() -> None:
     th_train, th_test = theme_matrix(train), theme_matrix(test)
     print(f"{len(train)} train / {len(test)} held-out puzzles, data ready in {time.time() - start:.0f} s", flush=True)
 
-    model = ChessDiffusionModel(themes=THEMES, dim=args.dim, layers=args.layers, heads=args.heads).train()
+    model = ChessDiffusionModel(themes=THEMES, dim=args.dim, layers=args.layers, heads=args.heads,
+                                move_task=args.move_task).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
     decay = lambda s: min(1.0, (s + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, decay)

@@ -75,3 +75,15 @@ def test_sample_errors_before_loading(tiny_dir, tmp_path, capsys):
     assert "--out must end in .pgn or .csv" in capsys.readouterr().err
     with pytest.raises(ValueError, match="cannot produce \\['zugzwang'\\]"):
         main(["sample", "--model", str(tiny_dir), "--family", "chess", "zugzwang", "--out", str(tmp_path / "x.csv")])
+
+
+def test_sample_with_the_move_last_writes_a_legal_model_move(tiny_dir, tmp_path):
+    # an untrained model's move tokens: under "last" they are the likeliest legal move of the board
+    out = tmp_path / "puzzles.csv"
+    mate = "6k1/5ppp/8/8/8/8/8/R5K1 w - - 0 1"
+    code = main(["sample", "--model", str(tiny_dir), "--family", "chess", "mateIn1", "--partial-fen", mate,
+                 "--fixed", "all", "--seeds", "0,1", "--steps", "2", "--no-engine", "--move-schedule", "last",
+                 "--out", str(out)])
+    assert code == 0
+    legal = {m.uci() for m in chess.Board(mate).legal_moves}
+    assert [r["model_move"] in legal for r in csv.DictReader(out.open())] == [True, True]

@@ -72,10 +72,10 @@ def fixed_positions(fen: str, fixed: str) -> list[int]:
 
 def generate(pipe, themes: str, seeds: Sequence[int], *, partial_fen: str | None = None, fixed: str = "pieces",
              num_steps: int = 16, guidance_scale: float = 1.0, temperature: float = 1.0,
-             reward=None) -> list[GeneratedPuzzle]:
+             reward=None, move_schedule: str = "joint") -> list[GeneratedPuzzle]:
     """One puzzle per seed for the request ``themes`` (space-separated keys), around the
     partial board (``fixed_positions`` of ``partial_fen``), judged by ``reward`` (a
-    ``ChessPuzzleReward``; None: boards only)."""
+    ``ChessPuzzleReward``; None: boards only); ``move_schedule`` as in ``ChessPuzzlePipeline``."""
     import torch
 
     from pipelines.chess import partial_tokens
@@ -86,7 +86,8 @@ def generate(pipe, themes: str, seeds: Sequence[int], *, partial_fen: str | None
     out = []
     for seed in seeds:
         result = pipe([themes], partial=partial, num_steps=num_steps, temperature=temperature,
-                      guidance_scale=guidance_scale, generator=torch.Generator().manual_seed(seed))
+                      guidance_scale=guidance_scale, move_schedule=move_schedule,
+                      generator=torch.Generator().manual_seed(seed))
         out.append(GeneratedPuzzle(seed, tuple(themes.split()), result.fens[0], result.moves[0]))
     if reward is not None:
         verdicts = reward.judge([p.fen for p in out], [{"themes": list(p.requested)} for p in out])

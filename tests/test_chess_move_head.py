@@ -1,0 +1,172 @@
+"""The best-move head: the "last" move schedule, its legal-move mask, and a model pre-trained
+without the move task (``scripts/pretrain_chess.py --no-move-task``)."""
+
+import importlib.util
+from pathlib import Path
+
+import chess
+import pytest
+import torch
+
+from pipelines import chess_tokenizer as tok
+from pipelines.chess import ChessPuzzlePipeline, choose_moves, legal_move_tokens, move_last, partial_tokens
+from pipelines.chess_model import ChessDiffusionModel
+
+MOVES = slice(tok.BOARD_LEN, tok.SEQ_LEN)
+
+
+def tiny_model(move_task: bool = True, seed: int = 0) -> ChessDiffusionModel:
+    torch.manual_seed(seed)
+    return ChessDiffusionModel(dim=32, layers=1, heads=2, move_task=move_task).eval()
+
+
+def names(mask_row: torch.Tensor) -> set[str]:
+    return {tok.VOCAB[i] for i in mask_row.nonzero().flatten().tolist()}
+
+
+def with_move(fen: str, move_tokens: list[str]) -> torch.Tensor:
+    ids = tok.encode(fen)[:tok.BOARD_LEN] + [tok.TOKEN_ID[t] for t in move_tokens]
+    return torch.tensor([ids])
+
+
+# -- legal moves and the greedy choice -------------------------------------------------------
+PROMO = "7k/P7/8/8/8/8/8/K7 w - - 0 1"  # legal: Ka1-a2/b1/b2, a7-a8 = N/B/R/Q (7 moves)
+
+
+def uci(triple) -> str:
+    names = [tok.VOCAB[i] for i in triple]
+    return names[0] + names[1] + ("" if names[2] == tok.ABSENT else names[2][-1])
+
+
+def test_legal_move_tokens_by_hand():
+    assert sorted(uci(m) for m in legal_move_tokens(tok.encode(PROMO))) == [
+        "a1a2", "a1b1", "a1b2", "a7a8b", "a7a8n", "a7a8q", "a7a8r"]
+    mated = tok.encode("R5k1/5ppp/8/8/8/8/8/6K1 b - - 0 1")  # back-rank mate, black to move
+    assert legal_move_tokens(mated) == [(tok.TOKEN_ID[tok.ABSENT],) * 3]
+    assert legal_move_tokens(tok.encode("8/8/8/8/8/8/8/K7 w - - 0 1")) is None  # no black king: not valid
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_choose_moves_takes_the_legal_move_with_the_highest_summed_log_prob(seed):
+    fens = [PROMO, "r1bqkbnr/pppp1ppp/2n5/4p3/4P3/5N2/PPPP1PPP/RNBQKB1R w KQkq - 2 3", "8/8/8/8/8/8/8/K7 w - - 0 1"]
+    x = torch.tensor([tok.encode(f) for f in fens])
+    x[:, MOVES] = tok.MASK_ID
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(len(fens), tok.SEQ_LEN, tok.VOCAB_SIZE, generator=g)).masked_fill(
+        ~tok.allowed_token_mask(), float("-inf"))
+    out = choose_moves(logits, x)
+    log_pi = torch.log_softmax(logits, -1)
+    for row, fen in enumerate(fens[:2]):  # by brute force over python-chess's legal moves
+        def score(m):
+            promo = tok.ABSENT if m.promotion is None else "promo:" + chess.piece_symbol(m.promotion)
+            return sum(log_pi[row, pos, tok.TOKEN_ID[t]].item() for pos, t in zip(
+                range(tok.BOARD_LEN, tok.SEQ_LEN), (chess.square_name(m.from_square), chess.square_name(m.to_square), promo)))
+        best = max(chess.Board(fen).legal_moves, key=score)
+        assert uci(out[row, MOVES].tolist()) == best.uci()
+    # an invalid board: each position's own most likely token, legal or not
+    assert out[2, MOVES].tolist() == log_pi[2, MOVES].argmax(-1).tolist()
+    assert torch.equal(out[:, :tok.BOARD_LEN], x[:, :tok.BOARD_LEN])
+
+
+def test_choose_moves_keeps_a_fixed_from_square():
+    x = torch.tensor([tok.encode(PROMO)])
+    x[0, tok.MOVE_TO:] = tok.MASK_ID
+    x[0, tok.MOVE_FROM] = tok.TOKEN_ID["a7"]
+    logits = torch.zeros(1, tok.SEQ_LEN, tok.VOCAB_SIZE)
+    logits[0, tok.PROMOTION, tok.TOKEN_ID["promo:r"]] = 5.0
+    logits[0, tok.MOVE_TO, tok.TOKEN_ID["b2"]] = 9.0  # the king's move is likelier, but a7 is fixed
+    assert uci(choose_moves(logits, x)[0, MOVES].tolist()) == "a7a8r"
+
+
+# -- the "last" schedule ---------------------------------------------------------------------
+def test_last_schedule_unmasks_the_move_only_after_the_whole_board():
+    model, seen = tiny_model(), []
+
+    def logits_fn(x):
+        seen.append(x.clone())
+        return model(x, torch.zeros(x.shape[0], len(model.config.themes)))
+
+    free = torch.full((4, tok.SEQ_LEN), tok.MASK_ID)
+    out = move_last(logits_fn, free, 6, generator=torch.Generator().manual_seed(0))
+    assert len(seen) == 6 + 1  # six board steps, then one for the move
+    for x in seen[:6]:  # while any board position is masked, the model sees no move token
+        assert bool((x[:, MOVES] == tok.MASK_ID).all())
+    assert bool((seen[5][:, :tok.BOARD_LEN] == tok.MASK_ID).any())  # the last board step still had work
+    assert not bool((seen[6][:, :tok.BOARD_LEN] == tok.MASK_ID).any())  # the move's step: a finished board
+    assert bool((seen[6][:, MOVES] == tok.MASK_ID).all())
+    assert not bool((out == tok.MASK_ID).any())
+
+
+def test_last_schedule_board_draws_equal_a_no_move_models():
+    """The board's plan and draws under "last" are those of a model whose move is fixed "-": the
+    same weights give the same board, so the ablation's two arms share their random numbers."""
+    with_task, without = tiny_model(True), tiny_model(False)
+    without.load_state_dict(with_task.state_dict())
+    a = ChessPuzzlePipeline(with_task)(["fork"] * 8, move_schedule="last", generator=torch.Generator().manual_seed(3))
+    b = ChessPuzzlePipeline(without)(["fork"] * 8, move_schedule="joint", generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a.tokens[:, :tok.BOARD_LEN], b.tokens[:, :tok.BOARD_LEN])
+
+
+@pytest.mark.parametrize("fen", ["6k1/5ppp/8/8/8/8/8/R5K1 w - - 0 1", PROMO,
+                                 "r1bqkbnr/pppp1ppp/2n5/4p3/4P3/5N2/PPPP1PPP/RNBQKB1R w KQkq - 2 3"])
+def test_the_chosen_move_is_legal_on_a_legal_board(fen):
+    """An untrained model (random move logits) on a fixed legal board: every "last" move is legal,
+    while the "joint" schedule's are mostly not (so the check can fail)."""
+    partial = partial_tokens(fen, range(tok.BOARD_LEN))
+    pipe = ChessPuzzlePipeline(tiny_model())
+    legal = {m.uci() for m in chess.Board(fen).legal_moves}
+    last = pipe([""] * 64, partial=partial, move_schedule="last", generator=torch.Generator().manual_seed(0))
+    joint = pipe([""] * 64, partial=partial, move_schedule="joint", generator=torch.Generator().manual_seed(0))
+    assert all(m in legal for m in last.moves)
+    assert sum(m in legal for m in joint.moves) < 32
+
+
+def test_unknown_move_schedule_is_an_error():
+    with pytest.raises(ValueError, match="move_schedule"):
+        ChessPuzzlePipeline(tiny_model())(["fork"], move_schedule="first")
+
+
+# -- a model without the move task -----------------------------------------------------------
+@pytest.mark.parametrize("move_schedule", ["joint", "last"])
+def test_a_no_move_task_model_never_unmasks_its_move(move_schedule, tmp_path):
+    ChessPuzzlePipeline(tiny_model(move_task=False)).save_pretrained(tmp_path)
+    pipe = ChessPuzzlePipeline.from_pretrained(tmp_path)  # the flag survives saving
+    assert pipe.model.config.move_task is False
+    out = pipe(["fork", "mateIn2"] * 8, move_schedule=move_schedule, generator=torch.Generator().manual_seed(0))
+    assert bool((out.tokens[:, MOVES] == tok.TOKEN_ID[tok.ABSENT]).all())
+    assert out.moves == [None] * 16
+
+
+def test_a_no_move_task_model_ignores_move_tokens_and_refuses_a_fixed_move():
+    model = tiny_model(move_task=False)
+    themes = torch.zeros(1, len(model.config.themes))
+    given = with_move(PROMO, ["a7", "a8", "promo:q"])
+    masked = with_move(PROMO, [tok.MASK] * 3)
+    assert torch.equal(model(given, themes), model(masked, themes))
+    assert not torch.equal(tiny_model()(given, themes), tiny_model()(masked, themes))
+    with pytest.raises(ValueError, match="move_task"):
+        ChessPuzzlePipeline(model)(["fork"], partial=partial_tokens(PROMO, [tok.MOVE_FROM], move="a7a8q"))
+
+
+# -- pre-training masks ----------------------------------------------------------------------
+def _pretrain_module():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "pretrain_chess.py"
+    spec = importlib.util.spec_from_file_location("pretrain_chess", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pretraining_masks_without_the_move_task_train_no_move_and_mask_the_board_alike():
+    mask_batch = _pretrain_module().mask_batch
+    tokens = torch.tensor([tok.encode(PROMO, "a7a8q")] * 256)
+    noisy_with, trained_with = mask_batch(tokens, torch.Generator().manual_seed(5))
+    noisy_wo, trained_wo = mask_batch(tokens, torch.Generator().manual_seed(5), move_task=False)
+    assert not bool(trained_wo[:, MOVES].any())  # no loss on the move
+    assert bool((noisy_wo[:, MOVES] == tok.MASK_ID).all())  # and never shown
+    assert bool(trained_wo[:, :tok.BOARD_LEN].any(1).all())  # every sample trains a board position
+    assert bool(trained_with[:, MOVES].any())  # the with-arm does train the move
+    # the same draws: rows where the board was masked without forcing are masked identically
+    natural = trained_with[:, :tok.BOARD_LEN].sum(1) > 1
+    assert int(natural.sum()) > 200
+    assert torch.equal(trained_with[natural, :tok.BOARD_LEN], trained_wo[natural, :tok.BOARD_LEN])
