@@ -2,16 +2,11 @@
 hand-made curves: the level is Flow-GRPO's final accuracy, each method's first evaluation after
 training began at or above it gives its samples and minutes."""
 
-import importlib.util
-from pathlib import Path
+from script_module import load_script
 
 
 def _bench():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_objectives.py"
-    spec = importlib.util.spec_from_file_location("benchmark_objectives", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmark_objectives")
 
 
 def _curve(*points):

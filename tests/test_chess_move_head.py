@@ -1,8 +1,6 @@
 """The best-move head: the "last" move schedule, its legal-move mask, and a model pre-trained
 without the move task (``scripts/pretrain_chess.py --no-move-task``)."""
 
-import importlib.util
-from pathlib import Path
 
 import chess
 import pytest
@@ -11,6 +9,7 @@ import torch
 from pipelines import chess_tokenizer as tok
 from pipelines.chess import ChessPuzzlePipeline, choose_moves, legal_move_tokens, move_last, partial_tokens
 from pipelines.chess_model import ChessDiffusionModel
+from script_module import load_script
 
 MOVES = slice(tok.BOARD_LEN, tok.SEQ_LEN)
 
@@ -150,11 +149,7 @@ def test_a_no_move_task_model_ignores_move_tokens_and_refuses_a_fixed_move():
 
 # -- pre-training masks ----------------------------------------------------------------------
 def _pretrain_module():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "pretrain_chess.py"
-    spec = importlib.util.spec_from_file_location("pretrain_chess", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("pretrain_chess")
 
 
 def test_pretraining_masks_without_the_move_task_train_no_move_and_mask_the_board_alike():

@@ -122,9 +122,6 @@ def test_lichess_generator_rule_by_hand():
 def test_a_known_line_ends_at_a_later_close_second_unless_it_mates():
     # lichess-puzzler's cook_advantage: a solver move that is not unique ends the line, which stands with
     # ≥ 2 solver moves; cook_mate: every move of a mate must be unique
-    import importlib.util
-    import sys
-
     from reward_models.chess.uniqueness import LICHESS, ends_line
 
     close, winning, mate = ("close_second", "…"), LineScore("a", cp=700), LineScore("a", mate=3)
@@ -132,14 +129,11 @@ def test_a_known_line_ends_at_a_later_close_second_unless_it_mates():
     assert not ends_line(close, 2, mate) and not ends_line(("not_winning", "…"), 2, winning)
     assert not ends_line(None, 2, winning)
     # the measurement's offline verdict (recorded searches) follows it, on a line of three solver moves
-    import importlib.util
-    from pathlib import Path
     from types import SimpleNamespace
 
-    path = Path(__file__).resolve().parents[1] / "scripts/measure_chess_rewards.py"
-    spec = importlib.util.spec_from_file_location("measure_chess_rewards", path)
-    measure = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(measure)
+    from script_module import load_script
+
+    measure = load_script("measure_chess_rewards")
     start = chess.Board("7k/8/8/8/8/8/5PPP/R5K1 w - - 0 1")
     solution = ["a1a2", "h8g8", "a2a3", "g8h8", "a3a4"]
 

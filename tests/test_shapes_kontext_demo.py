@@ -3,7 +3,6 @@ configs/shapes_edit_nft.yaml: the shapes_edit:<split> prompt sources, the pre-tr
 conditioning equal to the Kontext adapter's, the model loading by name through the Kontext adapter
 with η = 0 rollouts equal to FluxKontextPipeline's, and a DiffusionNFT epoch of the recipe."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from flowalign.trainer import Trainer
 from pipelines import folder_family, load_adapter
 from pipelines.base import DEMO_MODELS_DIR, encode_records
 from reward_models.worlds.shapes_edit import draw_objects, edit_prompt_file, edit_split, write_edit_prompts
+from script_module import load_script
 
 FOLDER = DEMO_MODELS_DIR / "shapes-kontext"
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "shapes_edit_nft.yaml"
@@ -27,11 +27,7 @@ TOKENS = 8  # the recipe's model.kwargs.max_sequence_length
 
 
 def _script():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "pretrain_shapes_edit.py"
-    spec = importlib.util.spec_from_file_location("pretrain_shapes_edit", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("pretrain_shapes_edit")
 
 
 @pytest.fixture(scope="module")
