@@ -141,12 +141,9 @@ def test_config_defaults():
 
 def test_memory_benchmark_measures_one_step_per_backend():
     """scripts/benchmark_memory.py's child on a tiny transformer (the full run: docs/memory.md)."""
-    import importlib.util
+    from script_module import load_script
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_memory.py"
-    spec = importlib.util.spec_from_file_location("benchmark_memory", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmark_memory")
     tiny = ["--device", "cpu", "--latent", "8", "--text", "4", "--layers", "1", "--heads", "2", "--head-dim", "8",
             "--batch", "1", "--lora-rank", "2", "--warmup", "0", "--steps", "1"]
     rows = [bench.run_child(bench.parse_args([*tiny, "--child", child])) for child in ("math:0", "sdpa:1")]

@@ -336,13 +336,9 @@ def test_a_gate_that_holds_every_branch_skips_the_gram_and_an_unmeasured_epoch_k
 
 
 def test_the_benchmark_calls_a_component_below_baseline_only_below_two_standard_errors():
-    import importlib.util
-    from pathlib import Path
+    from script_module import load_script
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_av_routing.py"
-    spec = importlib.util.spec_from_file_location("benchmark_av_routing", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmark_av_routing")
     first = dict.fromkeys(bench.COMPONENTS, 0.5)
     last = {**first, "sync": 0.48, "sync_change": -0.02, "sync_change_se": 0.011,  # 1.8 SE: not below
             "text_video": 0.47, "text_video_change": -0.03, "text_video_change_se": 0.014,  # 2.1 SE: below

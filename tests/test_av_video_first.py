@@ -2,9 +2,7 @@
 pipeline against the RL rollout, the waiting stream, the forward process DiffusionNFT trains on,
 and its pre-training loss (scripts/pretrain_av.py)."""
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ from flowalign.objectives.diffusion_nft import diffusion_nft_loss
 from flowalign.rollout import rollout
 from flowalign.samplers.steps import plan_steps
 from flowalign.trainer import Trainer
+from script_module import load_script
 from reward_models.worlds.audio_video import prompt_split, sample_specs, vocabulary
 from pipelines import load_adapter
 from pipelines.av_demo import AVPipeline, TinyAVSizes, build_tiny_av_pipeline, video_first_levels, video_first_schedule
@@ -22,15 +21,7 @@ from test_av_routing_trainer import av_config
 PROMPTS = [s["prompt"] for s in prompt_split("test")[:3]]
 
 
-def _script(name: str):
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-pretrain_av = _script("pretrain_av")
+pretrain_av = load_script("pretrain_av")
 
 
 @pytest.fixture(scope="module")

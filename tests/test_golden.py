@@ -9,7 +9,6 @@ recorded ones the comparison cannot be exact and the test says so and skips."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -19,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from script_module import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("record_golden", ROOT / "scripts" / "record_golden.py")
-record_golden = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(record_golden)
+record_golden = load_script("record_golden")
 
 
 def _first_difference(got, want, path="") -> str | None:

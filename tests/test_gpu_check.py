@@ -1,21 +1,16 @@
 """scripts/gpu_check.py's CPU subset, run here so the GPU check cannot rot before a GPU runs it;
 and its fail-soft rule: a section or case that raises is recorded and the rest still runs."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+from script_module import load_script
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_check")
 
 
 def test_the_cpu_subset_runs_every_section_and_writes_one_json(gpu_check, tmp_path):
