@@ -256,10 +256,11 @@ def cmd_sample(args) -> int:
     model, family, loading = _model_loading(args)
     if family == "chess":
         return _sample_chess(args, model, loading, seeds)
-    if args.partial_fen is not None:
-        from flowalign.config import ConfigError
+    for flag, value in (("--partial-fen", args.partial_fen), ("--grid", args.grid)):
+        if value is not None:
+            from flowalign.config import ConfigError
 
-        raise ConfigError(f"--partial-fen is for the chess family; model {model!r} is of family {family!r}")
+            raise ConfigError(f"{flag} is for the chess family; model {model!r} is of family {family!r}")
     from torchvision.utils import save_image
 
     from flowalign.evaluation import Policy, load_policy, sample_images
@@ -277,7 +278,7 @@ def cmd_sample(args) -> int:
 
 def _sample_chess(args, model: str, loading: dict, seeds: list[int]) -> int:
     """Chess puzzles for the theme request ``args.prompt`` around ``--partial-fen``, judged by
-    Stockfish (unless --no-engine), written as PGN or CSV (+ SVG diagrams with --boards)."""
+    Stockfish (unless --no-engine), written as PGN or CSV (+ SVG diagrams with --boards, one PNG of them all with --grid)."""
     from flowalign.chess import sampling
     from pipelines.chess import ChessAdapter
 
@@ -286,6 +287,8 @@ def _sample_chess(args, model: str, loading: dict, seeds: list[int]) -> int:
     out = Path(args.out)
     if out.suffix not in (".pgn", ".csv"):
         raise ConfigError(f"chess: --out must end in .pgn or .csv (puzzles with their solutions), got {args.out!r}")
+    if args.grid and not args.grid.endswith(".png"):
+        raise ConfigError(f"chess: --grid must end in .png, got {args.grid!r}")
     reward = None
     if not args.no_engine:
         from reward_models.chess.reward import ChessPuzzleReward, _requested_themes
@@ -306,6 +309,10 @@ def _sample_chess(args, model: str, loading: dict, seeds: list[int]) -> int:
     print(f"wrote {out}")
     if args.boards:
         print(f"wrote {len(sampling.write_boards(puzzles, args.boards))} diagrams to {args.boards}")
+    if args.grid:
+        from flowalign.chess.render import save_puzzle_grid
+
+        print(f"wrote {save_puzzle_grid(puzzles, args.grid)}")
     return 0
 
 
@@ -464,6 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "most probable legal move (last; docs/chess.md)")
     p.add_argument("--no-engine", action="store_true", help="chess: boards only (legality, no solution)")
     p.add_argument("--boards", default=None, metavar="DIR", help="chess: also write an SVG diagram per legal puzzle")
+    p.add_argument("--grid", default=None, metavar="PNG",
+                   help="chess: also draw every puzzle (board, solution, themes asked and found, verdicts) into one "
+                        "PNG, four to a row")
     p.set_defaults(func=cmd_sample)
     return parser
 

@@ -89,9 +89,16 @@ def generate(pipe, themes: str, seeds: Sequence[int], *, partial_fen: str | None
                       guidance_scale=guidance_scale, move_schedule=move_schedule,
                       generator=torch.Generator().manual_seed(seed))
         out.append(GeneratedPuzzle(seed, tuple(themes.split()), result.fens[0], result.moves[0]))
+    return judge(out, reward)
+
+
+def judge(puzzles: list[GeneratedPuzzle], reward=None) -> list[GeneratedPuzzle]:
+    """Fill in each puzzle's verdict (in place; returns ``puzzles``): with ``reward`` (a
+    ``ChessPuzzleReward``) legal, unique, the engine's solution line and the themes found on it;
+    without, legality only."""
     if reward is not None:
-        verdicts = reward.judge([p.fen for p in out], [{"themes": list(p.requested)} for p in out])
-        for puzzle, verdict in zip(out, verdicts):
+        verdicts = reward.judge([p.fen for p in puzzles], [{"themes": list(p.requested)} for p in puzzles])
+        for puzzle, verdict in zip(puzzles, verdicts):
             puzzle.legal, puzzle.problems = verdict.legal, list(verdict.problems)
             if verdict.uniqueness is not None:
                 puzzle.unique = verdict.uniqueness.unique
@@ -100,13 +107,14 @@ def generate(pipe, themes: str, seeds: Sequence[int], *, partial_fen: str | None
     else:
         from reward_models.chess.legality import legality_problems
 
-        for puzzle in out:
+        for puzzle in puzzles:
             puzzle.problems = legality_problems(puzzle.fen)
             puzzle.legal = not puzzle.problems
-    return out
+    return puzzles
 
 
-def _san(fen: str, line: Sequence[str]) -> str:
+def san_line(fen: str, line: Sequence[str]) -> str:
+    """A UCI line from ``fen`` in SAN with move numbers ("1. Qxh7+ Kxh7 2. Rh3#"; "" for no moves)."""
     board = chess.Board(fen)
     return board.variation_san([chess.Move.from_uci(m) for m in line]) if line else ""
 
@@ -119,7 +127,7 @@ def write_csv(puzzles: Sequence[GeneratedPuzzle], path: str | Path) -> None:
                     "theme_match", "model_move", "problems"])
         for p in puzzles:
             w.writerow([p.seed, p.fen, int(p.legal), "" if p.unique is None else int(p.unique), " ".join(p.solution),
-                        _san(p.fen, p.solution) if p.legal else "", " ".join(p.requested), " ".join(sorted(p.themes)),
+                        san_line(p.fen, p.solution) if p.legal else "", " ".join(p.requested), " ".join(sorted(p.themes)),
                         int(p.theme_match), p.model_move or "", " ".join(p.problems)])
 
 
