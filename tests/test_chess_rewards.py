@@ -136,7 +136,8 @@ def test_generator_mate_logic_by_hand():
     assert _judge(LineScore("a", mate=16), alt, LICHESS_GENERATOR, False, None, expect_mate=True)[0][0] == "mate_lost"
     # is_valid_mate_in_one: a second move that mates in 3 (W = 1 > 0.6, not a mate in one) fails, whatever
     # the non-mating line; a second mate in one defers to the best non-mating line (W(100·1.74) = 0.34 ≤ 0.6)
-    assert _judge(LineScore("a", mate=1), LineScore("b", mate=3), LICHESS_GENERATOR, False, None)[0][0] == "close_second"
+    mate_in_3 = LineScore("b", mate=3)
+    assert _judge(LineScore("a", mate=1), mate_in_3, LICHESS_GENERATOR, False, None)[0][0] == "close_second"
     assert _judge(LineScore("a", mate=1), LineScore("b", mate=1), LICHESS_GENERATOR, False, None)[0] is None
     assert _judge(LineScore("a", mate=1), LineScore("b", mate=1), LICHESS_GENERATOR, False,
                   LineScore("c", cp=100))[0] is None

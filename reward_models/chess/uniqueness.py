@@ -28,7 +28,10 @@ counts as 1, so a longer mate with any alternative above ≈ 165 cp fails), stay
 move, and at a mate in one the best non-mating move must score ≤ 0.6 win chance. ``LICHESS``
 holds those thresholds; with ``deep_nodes`` a step whose verdict is within ``margin`` win chance
 of a threshold (or failing) is searched again that deep, and the deeper search decides: the
-cheap search settles the clear cases, the expensive one only the close ones.
+cheap search settles the clear cases, the expensive one only the close ones. ``LICHESS_GENERATOR``
+is the generator of 2021–22 (its cp scale and win chance, and ``cook_mate``'s mate logic: a mate in
+≤ 15 announced at every later solver move of a mating line, searched deeper when it is not;
+five lines at a mate in one with several mating moves; see ``Rule`` and docs/chess.md).
 """
 
 from __future__ import annotations
