@@ -41,7 +41,7 @@ from flowalign.chess.puzzles import DEFAULT_PUZZLES, Puzzle, read_puzzles, sampl
 from reward_models.chess.engine import SearchLimit, StockfishPool  # noqa: E402
 from reward_models.chess.themes import EVAL_SCALE, SUPPORTED_THEMES, tag_themes  # noqa: E402
 from reward_models.chess.uniqueness import (DEFAULT_RULE, LICHESS, LICHESS_GENERATOR, LineScore,  # noqa: E402
-                                             Rule, _judge, _step, ends_line)
+                                             Rule, _judge, _step, ends_in_mate, ends_line)
 
 
 def _ratio(a: int, b: int) -> float | None:
@@ -100,13 +100,15 @@ def _verdict(p: Puzzle, steps: dict[str, list[dict]], rule: Rule, deep: bool) ->
     """Offline verdict on Lichess's line from recorded searches: "unique" or the first failure kind.
     ``deep``: use the deeper search of a step where one was made (the adaptive rule)."""
     board, first = p.solver_board(), None
+    mating = ends_in_mate(board, p.solution)
     for i in range(0, len(p.solution), 2):
         records = steps[board.fen()]
         rec = records[-1] if deep else records[0]
         best = LineScore(**rec["best"])
         second = LineScore(**rec["second"]) if rec["second"] else None
+        non_mating = LineScore(**rec["non_mating"]) if rec.get("non_mating") else None  # absent in older files
+        problem, _ = _judge(best, second, rule, i == 0, non_mating, expect_mate=i > 0 and mating and first.mates)
         first = first or best
-        problem, _ = _judge(best, second, rule, i == 0, None)
         if ends_line(problem, i // 2, first):
             return "unique"
         if problem:
@@ -178,8 +180,10 @@ def measure_uniqueness(puzzles: list[Puzzle], pool: StockfishPool, max_puzzles: 
         t = time.perf_counter()
         board, records = p.solver_board(), []
         with pool.engine() as engine:
+            first, mating = None, ends_in_mate(board, p.solution)
             for i in range(0, len(p.solution), 2):
-                _step(engine, board, rule, i == 0, records)
+                best = _step(engine, board, rule, i == 0, records, expect_mate=i > 0 and mating and first.mates)[0]
+                first = first or best
                 board.push_uci(p.solution[i])
                 if i + 1 < len(p.solution):
                     board.push_uci(p.solution[i + 1])
@@ -190,6 +194,21 @@ def measure_uniqueness(puzzles: list[Puzzle], pool: StockfishPool, max_puzzles: 
     rules = uniqueness_rules(rule)
     add_verdicts(rows, {p.puzzle_id: p for p in puzzles}, rules)
     return summarise_uniqueness(rows, rules, time.perf_counter() - start, rule)
+
+
+MEASURING_PUZZLES = 400  # the measuring sample's size: the first 400 of --unique-seed (docs/chess.md)
+
+
+def uniqueness_sample(puzzles: list[Puzzle], n: int, seed: int, tuning: int | None = None,
+                      only: str | None = None) -> list[Puzzle]:
+    """The uniqueness sample: ``n`` puzzles of seed ``seed`` (the measuring sample); or, with
+    ``tuning``, of that seed with the measuring sample's 400 puzzles excluded; ``only`` "mate" /
+    "not_mate" keeps those puzzles (n of them, drawn in order from a sample of all puzzles)."""
+    exclude = set() if tuning is None else {p.puzzle_id for p in sample_puzzles(puzzles, MEASURING_PUZZLES, seed)}
+    drawn = sample_puzzles(puzzles, len(puzzles) if only else n, seed if tuning is None else tuning, exclude)
+    if only:
+        drawn = [p for p in drawn if ("mate" in p.themes) == (only == "mate")]
+    return drawn[:n]
 
 
 def _stockfish_version(path: str) -> str:
@@ -259,6 +278,11 @@ def main() -> None:
     ap.add_argument("--unique-puzzles", type=int, default=200)
     ap.add_argument("--unique-seconds", type=float, default=300.0, help="stop the uniqueness loop after this")
     ap.add_argument("--unique-seed", type=int, default=1)
+    ap.add_argument("--unique-tuning", type=int, default=None, metavar="SEED",
+                    help="uniqueness on a tuning sample instead: this seed, the measuring sample (--unique-seed, "
+                         "the first 400 puzzles) excluded")
+    ap.add_argument("--unique-only", choices=("mate", "not_mate"), default=None,
+                    help="keep only the mate (or the non-mate) puzzles of the uniqueness sample")
     ap.add_argument("--nodes", type=int, default=100_000, help="Stockfish nodes per search (multipv 2)")
     ap.add_argument("--max-solver-moves", type=int, default=5)
     ap.add_argument("--stockfish", default=None)
@@ -309,7 +333,8 @@ def main() -> None:
         print(f"wrote {args.out}")
         return
 
-    unique_sample = sample_puzzles(puzzles, args.unique_puzzles, args.unique_seed)
+    unique_sample = uniqueness_sample(puzzles, args.unique_puzzles, args.unique_seed, args.unique_tuning,
+                                      args.unique_only)
     limit = SearchLimit(nodes=args.nodes, time=10.0)
     with StockfishPool(size=1, limit=limit, path=args.stockfish, threads=1, hash_mb=16) as pool:
         settings["stockfish"] = f"{pool.path} ({_stockfish_version(pool.path)})"

@@ -26,6 +26,9 @@ BACK_RANK_M1 = "6k1/5ppp/8/8/8/8/8/R5K1 w - - 0 1"        # Ra8# is the only mat
 TWO_MATES_M1 = "6k1/5ppp/8/8/8/8/8/RR4K1 w - - 0 1"       # Ra8# and Rb8#: allowed at the last move
 TWO_CAPTURES = "4k3/8/8/3q4/8/8/6B1/3RK3 w - - 0 1"        # Bxd5 and Rxd5 both win the queen
 QUEEN_SAC_M2 = "2r3k1/5ppp/8/8/8/8/4QPPP/4R1K1 w - - 0 1"  # 1. Qe8+ Rxe8 2. Rxe8#
+FIVE_MATES_M1 = "k7/pp6/8/8/8/7K/8/2RRRRQ1 w - - 0 1"      # Rc8#, Rd8#, Re8#, Rf8#, Qg8#: five mates in one
+# Lichess TOMbu (the uniqueness tuning sample, seed 2): 1. Rf3+ Ke8 2. Rf8+ Kd7 3. Rd8#
+ROOK_M3 = ("8/4pk1p/3qN1p1/3Pp3/8/3R4/3K4/8 w - - 2 46", ["d3f3", "f7e8", "f3f8", "e8d7", "f8d8"])
 START = chess.STARTING_FEN
 
 
@@ -117,6 +120,50 @@ def test_lichess_generator_rule_by_hand():
     assert _judge(LineScore("a", mate=2), LineScore("b", cp=100), LICHESS, True, None)[0] is None
     problem, slack = _judge(LineScore("a", mate=2), LineScore("b", cp=100), LICHESS_GENERATOR, True, None)
     assert problem[0] == "close_second" and slack == pytest.approx(1 - w(174) - 0.7, abs=1e-4)
+
+
+def test_generator_mate_logic_by_hand():
+    # lichess-puzzler's cook_mate (v44–v48): every solver move after the first of a mating line must be
+    # announced as a mate in ≤ 15 (mate_soon), else "not searching deep enough"; the other rules judge its cp
+    from reward_models.chess.uniqueness import LICHESS, LICHESS_GENERATOR, _judge
+
+    big_lead, alt = LineScore("a", cp=2000), LineScore("b", cp=-100)
+    problem, slack = _judge(big_lead, alt, LICHESS_GENERATOR, False, None, expect_mate=True)
+    assert problem[0] == "mate_lost" and slack == -1.0
+    assert _judge(big_lead, alt, LICHESS_GENERATOR, False, None, expect_mate=False)[0] is None
+    assert _judge(big_lead, alt, LICHESS, False, None, expect_mate=True)[0] is None
+    assert _judge(LineScore("a", mate=15), alt, LICHESS_GENERATOR, False, None, expect_mate=True)[0] is None
+    assert _judge(LineScore("a", mate=16), alt, LICHESS_GENERATOR, False, None, expect_mate=True)[0][0] == "mate_lost"
+    # is_valid_mate_in_one: a second move that mates in 3 (W = 1 > 0.6, not a mate in one) fails, whatever
+    # the non-mating line; a second mate in one defers to the best non-mating line (W(100·1.74) = 0.34 ≤ 0.6)
+    mate_in_3 = LineScore("b", mate=3)
+    assert _judge(LineScore("a", mate=1), mate_in_3, LICHESS_GENERATOR, False, None)[0][0] == "close_second"
+    assert _judge(LineScore("a", mate=1), LineScore("b", mate=1), LICHESS_GENERATOR, False, None)[0] is None
+    assert _judge(LineScore("a", mate=1), LineScore("b", mate=1), LICHESS_GENERATOR, False,
+                  LineScore("c", cp=100))[0] is None
+    assert _judge(LineScore("a", mate=1), LineScore("b", mate=1), LICHESS_GENERATOR, False,
+                  LineScore("c", cp=300))[0][0] == "close_second"  # 522 cp there: W 0.78 > 0.6
+
+
+def test_offline_verdict_reads_the_recorded_non_mating_line():
+    # the measurement judges recorded searches: a mate in one whose second line mates in 3 failed live
+    # (the engine's lines) but passed offline before the non-mating line was recorded and read
+    from types import SimpleNamespace
+
+    from script_module import load_script
+
+    from reward_models.chess.uniqueness import LICHESS_GENERATOR
+
+    measure = load_script("measure_chess_rewards")
+    board = chess.Board(BACK_RANK_M1)
+    step = {"best": {"move": "a1a8", "cp": None, "mate": 1}, "second": {"move": "a1a7", "cp": None, "mate": 3}}
+    puzzle = SimpleNamespace(solver_board=board.copy, solution=["a1a8"])
+    assert measure._verdict(puzzle, {board.fen(): [step]}, LICHESS_GENERATOR, False) == "close_second"
+    twin = {**step, "second": {"move": "b1b8", "cp": None, "mate": 1}}
+    for non_mating, verdict in ((None, "unique"), ({"move": "g1f2", "cp": 100, "mate": None}, "unique"),
+                                ({"move": "g1f2", "cp": 300, "mate": None}, "close_second")):
+        steps = {board.fen(): [{**twin, "non_mating": non_mating}]}
+        assert measure._verdict(puzzle, steps, LICHESS_GENERATOR, False) == verdict
 
 
 def test_a_known_line_ends_at_a_later_close_second_unless_it_mates():
@@ -298,6 +345,45 @@ def test_lichess_rule_searches_close_steps_deeper():
     assert all(0 < s["slack"] < 0.15 for s in mate.steps)
     shallow = _check(BACK_RANK_M1, rule=LICHESS)  # no deep_nodes: the base search decides alone
     assert shallow.unique and [s["nodes"] for s in shallow.steps] == [20_000]
+
+
+@needs_stockfish
+def test_generator_rule_reads_five_lines_at_a_multi_mate_mate_in_one():
+    # lichess-puzzler v44–v48 (is_valid_mate_in_one, multipv = 5): with five mates in one, the five lines
+    # are all mates and no non-mating move is seen: a puzzle. The mates + 1 lines of 2023-04 (and of this
+    # rule before) see Re7, still a mate in 2 (W 1 > 0.6): not a puzzle
+    import dataclasses
+
+    from reward_models.chess.uniqueness import LICHESS_GENERATOR
+
+    result = _check(FIVE_MATES_M1, rule=LICHESS_GENERATOR)
+    assert result.unique and result.mate and result.steps[0]["non_mating"] is None
+    six_lines = _check(FIVE_MATES_M1, rule=dataclasses.replace(LICHESS_GENERATOR, mate_in_one_lines=None))
+    assert six_lines.unique is False and six_lines.kind == "close_second"
+    assert six_lines.steps[0]["non_mating"]["mate"] == 2
+
+
+@needs_stockfish
+def test_generator_rule_wants_a_mate_at_every_move_of_a_mating_line():
+    # cook_mate's mate_soon, exercised with a limit of 1 so that the real line trips it: 2. Rf8+ is a mate
+    # in 2, "not a mate in ≤ 1", so it is searched again deeper (a mate expected but not announced), then
+    # fails; the same rule without the limit (the other rules) passes the line
+    import dataclasses
+
+    from reward_models.chess.uniqueness import LICHESS_GENERATOR
+
+    fen, line = ROOK_M3
+    rule = dataclasses.replace(LICHESS_GENERATOR, deep_nodes=40_000)
+    with StockfishPool(size=1, limit=FAST) as pool:
+        with pool.engine() as engine:
+            assert check_line(chess.Board(fen), line, engine, rule=rule).unique
+        with pool.engine() as engine:
+            short = check_line(chess.Board(fen), line, engine, rule=dataclasses.replace(rule, mate_within=1))
+        with pool.engine() as engine:
+            no_limit = check_line(chess.Board(fen), line, engine, rule=dataclasses.replace(rule, mate_within=None))
+    assert short.unique is False and short.kind == "mate_lost" and "solver move 2" in short.reason
+    assert [s["nodes"] for s in short.steps] == [20_000, 20_000, 40_000]
+    assert no_limit.unique and [s["best"]["mate"] for s in no_limit.steps] == [3, 2, 1]
 
 
 @needs_stockfish

@@ -28,7 +28,10 @@ counts as 1, so a longer mate with any alternative above ≈ 165 cp fails), stay
 move, and at a mate in one the best non-mating move must score ≤ 0.6 win chance. ``LICHESS``
 holds those thresholds; with ``deep_nodes`` a step whose verdict is within ``margin`` win chance
 of a threshold (or failing) is searched again that deep, and the deeper search decides: the
-cheap search settles the clear cases, the expensive one only the close ones.
+cheap search settles the clear cases, the expensive one only the close ones. ``LICHESS_GENERATOR``
+is the generator of 2021–22 (its cp scale and win chance, and ``cook_mate``'s mate logic: a mate in
+≤ 15 announced at every later solver move of a mating line, searched deeper when it is not;
+five lines at a mate in one with several mating moves; see ``Rule`` and docs/chess.md).
 """
 
 from __future__ import annotations
@@ -45,6 +48,13 @@ from reward_models.chess.engine import EngineFailure, EngineHandle
 WIN_CHANCE_K = 0.00368208
 FAILURE_KINDS = ("not_winning", "close_second", "second_mate", "mate_lost", "engine_disagrees", "game_over",
                  "engine_failed")
+# lichess-puzzler's generator.py, ``mate_soon = Mate(15)``: in ``cook_mate`` every solver move's best must be
+# a mate in at most this many ("we're probably not searching deep enough" otherwise)
+MATE_SOON = 15
+# its ``is_valid_mate_in_one`` of 2020-12 to 2023-04 (v27–v48; e.g. commit eb747a9, 2021-02-14): with a second
+# mate in one, ``multipv = 5`` lines, and any of them that is not a mate in one may score at most 0.6 win
+# chance; since 3392708 / 77d0a12 (2023-04-08) it searches ``mates + 1`` lines and reads only the last one
+MATE_IN_ONE_LINES_2020_22 = 5
 
 
 def win_chance(cp: float) -> float:
@@ -120,7 +130,14 @@ class Rule:
     deeper searches of other Stockfish versions, on a larger scale: ``themes.EVAL_SCALE``, or
     ``SF15_1_TO_SF12_15`` from Stockfish's own source);
     win_k: the win-chance constant of W, 2/(1+exp(−win_k·cp)) − 1 (0.004 in lichess-puzzler
-    until 2022-08-22, then ``WIN_CHANCE_K``).
+    until 2022-08-22, then ``WIN_CHANCE_K``);
+    mate_within: in a mating line (the first move mates), every later solver move's best must be a
+    mate in at most this many (``MATE_SOON``), else "mate_lost" — and such a step is searched again
+    at ``deep_nodes`` first, since a mate expected but not announced is a search too shallow;
+    None: a later step is judged by its score like any other (the other rules);
+    mate_in_one_lines: at a mate in one with several mating moves, the lines searched for the best
+    non-mating move: None → one more than the mates in one; N → N lines (a non-mate among them is
+    the best one; none, when there are ≥ N mates in one: unique).
     """
 
     gap: float = 0.5
@@ -132,6 +149,8 @@ class Rule:
     margin: float = 0.15
     cp_scale: float = 1.0
     win_k: float = WIN_CHANCE_K
+    mate_within: int | None = None
+    mate_in_one_lines: int | None = None
 
 
 DEFAULT_RULE = Rule()
@@ -140,8 +159,10 @@ LICHESS = Rule(gap=0.7, strict_gap=True, every_move_cp=True, mate_in_one_max=0.6
 # NormalizeToPawnValue (361), so the same internal score reads 361/208 ≈ 1.74× larger in the versions
 # lichess-puzzler ran in 2020–22, when most of the puzzle database was generated (src/uci.cpp)
 SF15_1_TO_SF12_15 = 361 / 208
-# Lichess's generator as it ran then: its thresholds on that cp scale, and its win chance of the time
-LICHESS_GENERATOR = dataclasses.replace(LICHESS, cp_scale=SF15_1_TO_SF12_15, win_k=0.004)
+# Lichess's generator as it ran then (v44–v48, 2021-02 to 2022-08): its thresholds on that cp scale, its win
+# chance of the time, and cook_mate's mate logic (MATE_SOON, MATE_IN_ONE_LINES_2020_22)
+LICHESS_GENERATOR = dataclasses.replace(LICHESS, cp_scale=SF15_1_TO_SF12_15, win_k=0.004, mate_within=MATE_SOON,
+                                        mate_in_one_lines=MATE_IN_ONE_LINES_2020_22)
 
 
 @dataclass
@@ -187,9 +208,13 @@ def _scaled(score: LineScore | None, k: float, exact: bool = False) -> LineScore
 
 
 def _judge(best: LineScore, second: LineScore | None, rule: Rule, first_move: bool,
-           non_mating: LineScore | None) -> tuple[tuple[str, str] | None, float]:
+           non_mating: LineScore | None, expect_mate: bool = False) -> tuple[tuple[str, str] | None, float]:
     """(problem or None, slack): how far, in win chance, the step is from its nearest threshold
-    (negative when it fails). ``non_mating``: the best non-mating move at a mate in one."""
+    (negative when it fails). ``non_mating``: the best non-mating move at a mate in one;
+    ``expect_mate``: a later solver move of a mating line (``rule.mate_within`` applies)."""
+    if expect_mate and rule.mate_within is not None and not (best.mates and best.mate <= rule.mate_within):
+        got = f"mate in {best.mate}" if best.mate is not None else f"{best.cp} cp"
+        return ("mate_lost", f"the mate was lost ({got}, not a mate in ≤ {rule.mate_within}; too few nodes?)"), -1.0
     if rule.cp_scale != 1.0:
         best, second, non_mating = (_scaled(x, rule.cp_scale) for x in (best, second, non_mating))
     cp = -10**6 if best.mate is not None else best.cp
@@ -206,7 +231,10 @@ def _judge(best: LineScore, second: LineScore | None, rule: Rule, first_move: bo
     if second is not None and problem is None:
         if best.mates and best.mate == 1:
             if rule.mate_in_one_max is not None:
-                alt = non_mating if second.mates else second
+                # is_valid_mate_in_one: only a second mate *in one* sends it to the non-mating lines; a
+                # second move that mates in more (W = 1 > 0.6) fails (it was accepted offline, where the
+                # non-mating line was not recorded, until 2026-12-06)
+                alt = non_mating if second.mate == 1 else second
                 if alt is not None:
                     slacks.append(rule.mate_in_one_max - alt.win)
                     if alt.win > rule.mate_in_one_max:
@@ -227,19 +255,23 @@ def _judge(best: LineScore, second: LineScore | None, rule: Rule, first_move: bo
     return problem, min(slacks, default=1.0)
 
 
-def _step(engine: EngineHandle, board: chess.Board, rule: Rule, first_move: bool, steps: list[dict]):
-    """Search one solver position (again, deeper, when the verdict is close): best, second, pv, problem."""
+def _step(engine: EngineHandle, board: chess.Board, rule: Rule, first_move: bool, steps: list[dict],
+          expect_mate: bool = False):
+    """Search one solver position (again, deeper, when the verdict is close): best, second, pv, problem.
+    ``expect_mate``: a later solver move of a mating line (see ``Rule.mate_within``). Each search is
+    recorded in ``steps`` with the best non-mating line of a multi-mate mate in one ("non_mating")."""
     nodes = None
     while True:
         best, second, pv, _ = _search(engine, board, nodes)
         non_mating = None
-        if rule.mate_in_one_max is not None and best.mate == 1 and second is not None and second.mates:
+        if rule.mate_in_one_max is not None and best.mate == 1 and second is not None and second.mate == 1:
             mates = _mates_in_one(board)
-            scores = _search(engine, board, nodes, multipv=mates + 1)[3]
-            non_mating = scores[-1] if len(scores) > mates else None
-        problem, slack = _judge(best, second, rule, first_move, non_mating)
+            scores = _search(engine, board, nodes, multipv=rule.mate_in_one_lines or mates + 1)[3]
+            non_mating = scores[mates] if len(scores) > mates else None  # lines are ordered: the best non-mate
+        problem, slack = _judge(best, second, rule, first_move, non_mating, expect_mate)
         steps.append({"fen": board.fen(), "nodes": nodes or engine.limit.nodes, "best": dataclasses.asdict(best),
-                      "second": second and dataclasses.asdict(second), "problem": problem and problem[0],
+                      "second": second and dataclasses.asdict(second),
+                      "non_mating": non_mating and dataclasses.asdict(non_mating), "problem": problem and problem[0],
                       "slack": round(slack, 4)})
         if nodes is not None or rule.deep_nodes is None or slack >= rule.margin:
             return best, second, pv, problem
@@ -282,7 +314,7 @@ def check_position(board: chess.Board, engine: EngineHandle, gap: float | None =
                 if k == 0:
                     return fail("game_over", f"game already over ({board.result()})")
                 break  # e.g. the engine's reply stalemated: the line ends, keep what was unique
-            best, second, pv, problem = _step(engine, board, rule, k == 0, steps)
+            best, second, pv, problem = _step(engine, board, rule, k == 0, steps, k > 0 and first.mates)
             if k == 0:
                 first = best
             if problem and (k == 0 or first.mates):
@@ -314,6 +346,15 @@ def ends_line(problem: tuple[str, str] | None, k: int, first: LineScore) -> bool
     return problem is not None and problem[0] == "close_second" and k >= 2 and not first.mates
 
 
+def ends_in_mate(board: chess.Board, solution: Sequence[str]) -> bool:
+    """Does the line (UCI moves from ``board``) end in checkmate? A Lichess puzzle that does came
+    from the generator's ``cook_mate``; one that does not, from ``cook_advantage``."""
+    board = board.copy(stack=False)
+    for move in solution:
+        board.push_uci(move)
+    return board.is_checkmate()
+
+
 def check_line(board: chess.Board, solution: Sequence[str], engine: EngineHandle, gap: float | None = None,
                min_first_cp: int | None = None, rule: Rule | None = None) -> UniquenessResult:
     """Uniqueness of a known solution (solver move, reply, …, ending on a solver move).
@@ -325,6 +366,7 @@ def check_line(board: chess.Board, solution: Sequence[str], engine: EngineHandle
     rule = _rule(rule, gap, min_first_cp)
     board = board.copy(stack=False)
     line, first, last, steps = list(solution), None, None, []
+    mating = ends_in_mate(board, solution)  # lichess-puzzler's cook_mate made it (Rule.mate_within applies)
 
     def fail(kind: str, reason: str) -> UniquenessResult:
         return UniquenessResult(False, kind, reason, line, first, last=last, steps=steps)
@@ -332,7 +374,7 @@ def check_line(board: chess.Board, solution: Sequence[str], engine: EngineHandle
     try:
         for i in range(0, len(solution), 2):
             k, expected = i // 2, solution[i]
-            best, second, _, problem = _step(engine, board, rule, k == 0, steps)
+            best, second, _, problem = _step(engine, board, rule, k == 0, steps, k > 0 and mating and first.mates)
             if k == 0:
                 first = best
             if ends_line(problem, k, first):
