@@ -17,6 +17,14 @@ Selection rule (fixed before any output was looked at; no cherry-picking):
   / yield. A yield cell has a green frame.
 Each row: base sample 1, base sample 2, trained sample 1, trained sample 2. Without --trained
 only the base columns are drawn; with --no-engine the cells show legality only (no solution).
+
+``--yield-only``: what a puzzle that counts looks like. One model (the trained one, else the
+base), every held-out request, drawn as above with ``--per-request`` boards (64, as the
+measurements); every legal board is judged and the first ``--take`` (1) yield boards of each
+request in batch order are drawn, four to a row; a request with none is named in the JSON.
+
+    OMP_NUM_THREADS=1 python scripts/chess_puzzle_grid.py --trained runs/chess-ddpo-nt/final \
+        --yield-only --per-request 64 --take 1 --out docs/img/chess_yield_puzzles.png
 """
 
 from __future__ import annotations
@@ -54,6 +62,43 @@ def pick(pipe, requests: list[list[str]], rows: int, seed: int, per_request: int
         chosen = (legal + [i for i in range(per_request) if i not in legal])[:take]
         out.append([GeneratedPuzzle(i, tuple(request), batch.fens[i], batch.moves[i]) for i in chosen])
     return out
+
+
+def first_yields(pipe, requests: list[list[str]], seed: int, per_request: int, take: int, reward,
+                 num_steps: int = 16) -> dict:
+    """``--yield-only``'s rule for one model: per request (all of them), the batch of
+    ``per_request`` drawn as ``pick`` draws it, its legal boards judged by ``reward``, the first
+    ``take`` yield puzzles → {"puzzles": [GeneratedPuzzle], "rows": [(request index, batch index)],
+    "legal": [count per request], "yield": [count per request]}."""
+    out = {"puzzles": [], "rows": [], "legal": [], "yield": []}
+    for k, request in enumerate(requests):
+        batch = pipe([request] * per_request, num_steps=num_steps, schedule="cosine", temperature=1.0,
+                     guidance_scale=1.0, move_schedule="joint",
+                     generator=torch.Generator().manual_seed(seed * len(requests) + k))
+        legal = [GeneratedPuzzle(i, tuple(request), fen, batch.moves[i])
+                 for i, fen in enumerate(batch.fens) if is_legal(fen)]
+        judged = [p for p in judge(legal, reward) if is_yield(p)]
+        out["legal"].append(len(legal))
+        out["yield"].append(len(judged))
+        out["puzzles"] += judged[:take]
+        out["rows"] += [(k, p.seed) for p in judged[:take]]
+    return out
+
+
+def build_yield_only(model: str, trained: str | None, out: str | Path, *, seed: int, per_request: int, take: int,
+                     reward, num_steps: int = 16, name: str = "trained") -> dict:
+    """Draw ``first_yields`` of one model (``trained`` if given, else the base) at ``out``."""
+    requests = json.loads((Path(resolve_model_path(model)) / "split.json").read_text())["requests"]
+    found = first_yields(load_pipe(model, trained), requests, seed, per_request, take, reward, num_steps)
+    if not found["puzzles"]:
+        raise SystemExit(f"no yield puzzle in {per_request} samples of any request (seed {seed}): nothing to draw")
+    labels = [f"{name if trained else 'base'}, request {k}, sample {i}" for k, i in found["rows"]]
+    save_puzzle_grid(found["puzzles"], out, columns=4, labels=labels)
+    return {"out": str(out), "seed": seed, "per_request": per_request, "take": take, "model": trained or model,
+            "legal_per_request": found["legal"], "yield_per_request": found["yield"],
+            "requests_without_yield": [requests[k] for k, n in enumerate(found["yield"]) if n == 0],
+            "cells": [{"request": list(p.requested), "sample": p.seed, "fen": p.fen, "solution": p.solution,
+                       "themes": sorted(p.themes)} for p in found["puzzles"]]}
 
 
 def load_pipe(model: str, trained: str | None) -> ChessPuzzlePipeline:
@@ -108,7 +153,11 @@ def main() -> None:
     parser.add_argument("--num-steps", type=int, default=16)
     parser.add_argument("--nodes", type=int, default=100_000, help="Stockfish nodes per search")
     parser.add_argument("--no-engine", action="store_true", help="legality only: no solution, themes or uniqueness")
+    parser.add_argument("--yield-only", action="store_true",
+                        help="one model, every request: the first --take yield puzzles of --per-request samples")
     args = parser.parse_args()
+    if args.yield_only and args.no_engine:
+        parser.error("--yield-only needs the engine (yield is legal ∧ unique ∧ theme match)")
     if args.trained and not Path(args.trained).exists():
         parser.error(f"--trained: {args.trained} does not exist")
     torch.set_num_threads(1)
@@ -119,15 +168,19 @@ def main() -> None:
 
         reward = ChessPuzzleReward(nodes=args.nodes)
     try:
-        summary = build(args.model, args.trained, args.out, seed=args.seed, rows=args.requests,
-                        per_request=args.per_request, take=args.take, num_steps=args.num_steps, reward=reward,
-                        names=("base", args.name))
+        if args.yield_only:
+            summary = build_yield_only(args.model, args.trained, args.out, seed=args.seed, per_request=args.per_request,
+                                       take=args.take, reward=reward, num_steps=args.num_steps, name=args.name)
+        else:
+            summary = build(args.model, args.trained, args.out, seed=args.seed, rows=args.requests,
+                            per_request=args.per_request, take=args.take, num_steps=args.num_steps, reward=reward,
+                            names=("base", args.name))
     finally:
         if reward is not None:
             reward.close()
     summary["minutes"] = (time.time() - start) / 60
     Path(args.out).with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(json.dumps({k: summary[k] for k in ("out", "yield_cells", "legal_cells", "minutes")}))
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("cells",)}))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from flowalign.chess.sampling import GeneratedPuzzle
 from flowalign.cli import main
 from pipelines.base import DEMO_MODELS_DIR
 from reward_models.chess.engine import find_stockfish
-from tests.script_module import load_script
+from script_module import load_script
 
 CELL_HEIGHT = 8 * SQUARE + 12 + 4  # the board, its coordinates, the frame
 HEADER = 12 + 8                    # the column titles' line
@@ -110,3 +110,32 @@ def test_grid_script_writes_the_grid_with_engine_verdicts(tmp_path):
         assert cell["unique"] is not None if cell["legal"] else cell["unique"] is None
         assert not cell["unique"] or cell["solution"]
     assert summary["yield_cells"]["base"] == sum(c["yield"] for c in cells)
+
+
+@pytest.mark.skipif(not (DEMO_MODELS_DIR / "chess-md" / "model_index.json").is_file(), reason="demo model not built")
+@pytest.mark.skipif(find_stockfish() is None, reason="Stockfish not installed")
+def test_yield_only_draws_the_first_yield_puzzles_of_each_request():
+    from flowalign.chess.render import is_yield
+    from reward_models.chess.reward import ChessPuzzleReward
+
+    script = load_script("chess_puzzle_grid")
+    pipe = script.load_pipe("chess-md", None)
+    requests = [["oneMove"], ["rookEndgame"], ["skewer"]]
+    reward = ChessPuzzleReward(nodes=2_000)
+    try:
+        found = script.first_yields(pipe, requests, seed=1, per_request=16, take=1, reward=reward)
+        # the rule by hand: every legal board of the same draw (pick with take = the whole batch), judged
+        everything = script.pick(pipe, requests, rows=3, seed=1, per_request=16, take=16)
+        for row in everything:
+            script.judge(row, reward)
+    finally:
+        reward.close()
+    expected, legal_counts, yield_counts = [], [], []
+    for k, row in enumerate(everything):
+        legal = [p for p in row if p.legal]
+        yields = [p for p in legal if is_yield(p)]
+        legal_counts.append(len(legal))
+        yield_counts.append(len(yields))
+        expected += [(k, p.seed) for p in sorted(yields, key=lambda p: p.seed)[:1]]
+    assert found["legal"] == legal_counts and found["yield"] == yield_counts
+    assert found["rows"] == expected and all(is_yield(p) for p in found["puzzles"])
