@@ -135,7 +135,7 @@ def puzzle_cell(puzzle: GeneratedPuzzle, label: str | None = None, *, width: int
                 square: int = SQUARE, font_size: int = FONT_SIZE, glyphs: bool | None = None) -> Image.Image:
     """One puzzle → an RGB image [width, 8·square + 12 + 4] (the board, 12 pixels of coordinates
     and a 2-pixel frame, green for a yield): the board left, the text right (``label``,
-    default "seed N", in bold grey on top; text that does not fit is cut with "…")."""
+    default "seed N", in grey on top; long lines wrap, and text that does not fit is cut with "…")."""
     board = draw_board(puzzle.fen, square, glyphs)
     height = board.height + 4
     cell = Image.new("RGB", (width, height), (255, 255, 255))
@@ -145,7 +145,7 @@ def puzzle_cell(puzzle: GeneratedPuzzle, label: str | None = None, *, width: int
     font, line_h = _font(font_size, dejavu), font_size + 3
     x0 = board.width + 10
     wrap = functools.partial(_wrap, font=font, width=width - x0 - 4)
-    lines: list[tuple[str, tuple[int, int, int]]] = [(label or f"seed {puzzle.seed}", GREY)]
+    lines: list[tuple[str, tuple[int, int, int]]] = [(s, GREY) for s in wrap(label or f"seed {puzzle.seed}")]
     turn = puzzle.fen.split()[1] if len(puzzle.fen.split()) > 1 else "w"
     lines.append(("White to move" if turn == "w" else "Black to move", (0, 0, 0)))
     if not puzzle.legal:
