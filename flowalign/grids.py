@@ -129,15 +129,20 @@ def chess_board(fen: str, square: int = 16) -> torch.Tensor:
                 continue
             if file >= 8 or char.upper() not in "PNBRQK":
                 break
-            x, y, white = file * square, rank * square, char.isupper()
-            inset = max(1, square // 10)
-            draw.ellipse([x + inset, y + inset, x + square - 1 - inset, y + square - 1 - inset],
-                         fill=(250, 250, 250) if white else (20, 20, 20), outline=(0, 0, 0))
-            draw.text((x + square / 2, y + square / 2), char.upper(), fill=(0, 0, 0) if white else (255, 255, 255),
-                      font=font, anchor="mm")
+            draw_piece_disc(draw, char, file * square, rank * square, square, font)
             file += 1
     draw.rectangle([0, size, size - 1, size + 3], fill=(20, 20, 20) if turn == "b" else (200, 200, 200))
     return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).float() / 255
+
+
+def draw_piece_disc(draw: ImageDraw.ImageDraw, piece: str, x: float, y: float, square: int, font) -> None:
+    """A piece (FEN letter) as its letter on a disc in the square whose top-left corner is (x, y):
+    white pieces a black letter on white, black pieces a white letter on black."""
+    white, inset = piece.isupper(), max(1, square // 10)
+    draw.ellipse([x + inset, y + inset, x + square - 1 - inset, y + square - 1 - inset],
+                 fill=(250, 250, 250) if white else (20, 20, 20), outline=(0, 0, 0))
+    draw.text((x + square / 2, y + square / 2), piece.upper(), fill=(0, 0, 0) if white else (255, 255, 255),
+              font=font, anchor="mm")
 
 
 def waveform_strip(audio: torch.Tensor, width: int, height: int = 24) -> torch.Tensor:

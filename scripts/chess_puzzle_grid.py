@@ -47,6 +47,19 @@ from pipelines.denoiser import load_trained_weights  # noqa: E402
 from reward_models.chess.legality import is_legal  # noqa: E402
 
 
+def held_out_requests(model: str) -> list[list[str]]:
+    """The held-out requests of the model's split.json, in its order (as measure_chess_model.py reads them)."""
+    return json.loads((Path(resolve_model_path(model)) / "split.json").read_text())["requests"]
+
+
+def draw_batch(pipe, requests: list[list[str]], k: int, seed: int, per_request: int, num_steps: int = 16):
+    """Request k's batch of draw ``seed``: ``per_request`` boards with the generator seed
+    seed·len(requests) + k at measure_chess_model.py's default settings → the pipeline's output."""
+    return pipe([requests[k]] * per_request, num_steps=num_steps, schedule="cosine", temperature=1.0,
+                guidance_scale=1.0, move_schedule="joint",
+                generator=torch.Generator().manual_seed(seed * len(requests) + k))
+
+
 def pick(pipe, requests: list[list[str]], rows: int, seed: int, per_request: int, take: int,
          num_steps: int = 16) -> list[list[GeneratedPuzzle]]:
     """The selection rule (module docstring) for one model: for each of the first ``rows``
@@ -55,9 +68,7 @@ def pick(pipe, requests: list[list[str]], rows: int, seed: int, per_request: int
     its batch."""
     out = []
     for k, request in enumerate(requests[:rows]):
-        batch = pipe([request] * per_request, num_steps=num_steps, schedule="cosine", temperature=1.0,
-                     guidance_scale=1.0, move_schedule="joint",
-                     generator=torch.Generator().manual_seed(seed * len(requests) + k))
+        batch = draw_batch(pipe, requests, k, seed, per_request, num_steps)
         legal = [i for i, fen in enumerate(batch.fens) if is_legal(fen)]
         chosen = (legal + [i for i in range(per_request) if i not in legal])[:take]
         out.append([GeneratedPuzzle(i, tuple(request), batch.fens[i], batch.moves[i]) for i in chosen])
@@ -72,9 +83,7 @@ def first_yields(pipe, requests: list[list[str]], seed: int, per_request: int, t
     "legal": [count per request], "yield": [count per request]}."""
     out = {"puzzles": [], "rows": [], "legal": [], "yield": []}
     for k, request in enumerate(requests):
-        batch = pipe([request] * per_request, num_steps=num_steps, schedule="cosine", temperature=1.0,
-                     guidance_scale=1.0, move_schedule="joint",
-                     generator=torch.Generator().manual_seed(seed * len(requests) + k))
+        batch = draw_batch(pipe, requests, k, seed, per_request, num_steps)
         legal = [GeneratedPuzzle(i, tuple(request), fen, batch.moves[i])
                  for i, fen in enumerate(batch.fens) if is_legal(fen)]
         judged = [p for p in judge(legal, reward) if is_yield(p)]
@@ -88,7 +97,7 @@ def first_yields(pipe, requests: list[list[str]], seed: int, per_request: int, t
 def build_yield_only(model: str, trained: str | None, out: str | Path, *, seed: int, per_request: int, take: int,
                      reward, num_steps: int = 16, name: str = "trained") -> dict:
     """Draw ``first_yields`` of one model (``trained`` if given, else the base) at ``out``."""
-    requests = json.loads((Path(resolve_model_path(model)) / "split.json").read_text())["requests"]
+    requests = held_out_requests(model)
     found = first_yields(load_pipe(model, trained), requests, seed, per_request, take, reward, num_steps)
     if not found["puzzles"]:
         raise SystemExit(f"no yield puzzle in {per_request} samples of any request (seed {seed}): nothing to draw")
@@ -113,7 +122,7 @@ def build(model: str, trained: str | None, out: str | Path, *, seed: int = 40, r
           take: int = 2, num_steps: int = 16, reward=None, names: tuple[str, str] = ("base", "trained")) -> dict:
     """Pick, judge (``reward``: a ``ChessPuzzleReward``, or None for legality only) and draw the
     grid at ``out``; returns a summary (the cells' FENs and verdicts, yield counts per model)."""
-    requests = json.loads((Path(resolve_model_path(model)) / "split.json").read_text())["requests"]
+    requests = held_out_requests(model)
     if rows > len(requests):
         raise ValueError(f"--requests {rows}: split.json has only {len(requests)} held-out requests")
     arms = {names[0]: None} | ({names[1]: trained} if trained else {})

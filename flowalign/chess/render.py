@@ -7,10 +7,9 @@ match, yield, two to a line; green ✓, red ✗, grey ? when not checked). A yie
 requested theme found) gets a green frame, so yields can be counted at a glance.
 
 Pieces are the chess glyphs U+2654–265F of DejaVu Sans when that font is found (the system's, or
-the copy matplotlib ships); otherwise each piece is its letter on a disc (white pieces: a black
-letter on white, black pieces: a white letter on black), as ``flowalign.grids.chess_board``
-draws them, so the picture works on any machine. ``flowalign sample --grid PNG`` and
-``scripts/chess_puzzle_grid.py`` use it.
+the copy matplotlib ships); otherwise each piece is its letter on a disc, as the evaluation grids'
+``chess_board`` draws them (``flowalign.grids.draw_piece_disc``), so the picture works on any
+machine. ``flowalign sample --grid PNG`` and ``scripts/chess_puzzle_grid.py`` use it.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import chess
 from PIL import Image, ImageDraw, ImageFont
 
 from flowalign.chess.sampling import GeneratedPuzzle, san_line
-from flowalign.grids import DARK_SQUARE, LIGHT_SQUARE
+from flowalign.grids import DARK_SQUARE, LIGHT_SQUARE, draw_piece_disc
 
 # white pieces U+2654 … U+2659 (outlines), black U+265A … U+265F (filled shapes), in K Q R B N P order
 GLYPHS = {piece: chr(0x2654 + i) for i, piece in enumerate("KQRBNP")} | \
@@ -92,17 +91,13 @@ def draw_board(fen: str, square: int = SQUARE, glyphs: bool | None = None) -> Im
 
 
 def _draw_piece(draw: ImageDraw.ImageDraw, piece: str, cx: float, cy: float, square: int, font, glyphs: bool) -> None:
-    white = piece.isupper()
-    if glyphs:
-        # a white piece: the filled (black) shape painted white, then its outline glyph in black on top
-        if white:
-            draw.text((cx, cy), GLYPHS[piece.lower()], fill=(255, 255, 255), font=font, anchor="mm")
-        draw.text((cx, cy), GLYPHS[piece], fill=(0, 0, 0), font=font, anchor="mm")
+    if not glyphs:
+        draw_piece_disc(draw, piece, cx - square / 2, cy - square / 2, square, font)
         return
-    inset = max(1, square // 10)
-    draw.ellipse([cx - square / 2 + inset, cy - square / 2 + inset, cx + square / 2 - 1 - inset,
-                  cy + square / 2 - 1 - inset], fill=(250, 250, 250) if white else (20, 20, 20), outline=(0, 0, 0))
-    draw.text((cx, cy), piece.upper(), fill=(0, 0, 0) if white else (255, 255, 255), font=font, anchor="mm")
+    # a white piece: the filled (black) shape painted white, then its outline glyph in black on top
+    if piece.isupper():
+        draw.text((cx, cy), GLYPHS[piece.lower()], fill=(255, 255, 255), font=font, anchor="mm")
+    draw.text((cx, cy), GLYPHS[piece], fill=(0, 0, 0), font=font, anchor="mm")
 
 
 def _wrap(text: str, font, width: float) -> list[str]:
