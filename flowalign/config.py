@@ -87,6 +87,10 @@ class SamplingConfig:
     # sum over the newly unmasked positions, every step is stochastic and trained
     unmask_schedule: str = "cosine"
     temperature: float = 1.0  # sampling temperature of masked diffusion's categoricals
+    # chess: joint = the best move is unmasked at random steps with the board (what pre-training
+    # masks); last = the steps unmask the board alone, then the move is chosen greedily at the
+    # finished board (pipelines/chess.py), not a trained step
+    move_schedule: str = "joint"
 
 
 @dataclass
@@ -271,6 +275,7 @@ CHOICES = {
     "explore.mode": ("none", "shape", "magnitude", "both"),
     "sampling.log_prob_reduction": ("mean", "sum"),
     "sampling.unmask_schedule": ("cosine", "linear"),
+    "sampling.move_schedule": ("joint", "last"),
     "train.advantage_baseline": ("group", "leave_one_out"),
     "train.mixed_precision": ("no", "fp16", "bf16"),
     "train.optimizer": ("adamw", "adamw8bit"),  # `accelerate launch --mixed_precision` must agree (preflight)

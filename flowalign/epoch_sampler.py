@@ -51,12 +51,22 @@ def cat_components(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
 
 def masked_rollout(adapter, cond, sampling, generator: torch.Generator | None) -> MaskedTrajectory:
     """Unmask the states of ``cond`` (its fixed tokens kept) with the current weights; the plan
-    and the categorical draws come from ``generator``."""
+    and the categorical draws come from ``generator``. ``sampling.move_schedule`` "last": the
+    steps unmask the board alone, then the adapter writes the move into the final state
+    (``ChessAdapter.finish_move``; not a step, so it has no log-prob); the trajectory keeps the
+    conditioning the steps were sampled with, so rescoring sees what sampling saw."""
     from pipelines.unmasking import rollout as unmasking_rollout
 
-    return unmasking_rollout(lambda x: adapter.predict(x, None, cond, sampling.guidance_scale),
+    last = sampling.move_schedule == "last"
+    if last:
+        cond = adapter.hold_out_move(cond)
+    traj = unmasking_rollout(lambda x: adapter.predict(x, None, cond, sampling.guidance_scale),
                              adapter.initial_state(cond), sampling.num_steps, schedule=sampling.unmask_schedule,
                              temperature=sampling.temperature, generator=generator, cond=cond)
+    if last:
+        # outside every step's unmask set, so no log-prob, ratio, KL or entropy reads these positions
+        traj.states[:, -1] = adapter.finish_move(traj.states[:, -1], cond, sampling.guidance_scale)
+    return traj
 
 
 def _done(value) -> Future:

@@ -79,6 +79,10 @@ def check_model(config: RunConfig):
     if m.gradient_checkpointing and not getattr(cls, "supports_gradient_checkpointing", True):
         raise ConfigError(f"{source_of(config, 'model.gradient_checkpointing')}: model.gradient_checkpointing is not "
                           f"supported by the {m.family!r} family; set it to false")
+    if config.sampling.move_schedule != "joint" and config.sampling.move_schedule not in getattr(cls, "move_schedules", ()):
+        raise ConfigError(f"{source_of(config, 'sampling.move_schedule')}: sampling.move_schedule "
+                          f"{config.sampling.move_schedule!r} needs a model with a best move (family chess); the "
+                          f"{m.family!r} family has none: remove it")
     if config.explore.mode != "none" and prediction != "velocity":  # the explorer hook checks it again, loaded
         raise ConfigError(f"{source_of(config, 'explore.mode')}: explore.mode needs a flow model (its SDE steps); DDIM "
                           "has no exploration net")
@@ -290,7 +294,7 @@ def _method_text(config: RunConfig, cls) -> str:
     elif prediction == "epsilon":
         step = f"DDIM step with log-prob, η={s.eta:g}"
     else:
-        step = f"masked unmasking ({s.unmask_schedule}, temperature {s.temperature:g})"
+        step = f"masked unmasking ({s.unmask_schedule}, temperature {s.temperature:g}, move {s.move_schedule})"
     return (f"{config.method} (flowalign/objectives), {step}, {s.num_steps} steps, CFG {s.guidance_scale:g}; "
             f"{cls.__name__} ({cls.__module__.replace('.', '/')}.py, {prediction} prediction)")
 

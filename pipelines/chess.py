@@ -14,8 +14,10 @@ stay ``[MASK]`` in the model's input, and the board's plan and random draws are 
 more forward pass at the finished board: when the board is valid (python-chess
 ``Board.is_valid()``), the legal move whose three tokens are most probable together
 (``choose_moves``: greedy over the legal moves), so the move is always legal; on an invalid
-board each position's most probable token. The default stays ``"joint"``: it is what the DDPO rollout (``pipelines.unmasking``)
-samples and trains, and what every earlier measurement used. A model pre-trained without the
+board each position's most probable token. The default stays ``"joint"``: every earlier
+measurement and the shipped DDPO recipe used it. A trainer samples "last" with
+``sampling.move_schedule: last`` (``ChessAdapter.hold_out_move`` / ``finish_move``): its steps
+unmask the board, and the move written afterwards is not a trained step. A model pre-trained without the
 move task (``config.move_task`` False) never samples a move: its move positions are fixed "-".
 
 Classifier-free guidance (``guidance_scale`` g > 1) mixes log-probabilities, per position over
@@ -190,6 +192,24 @@ class ChessPuzzlePipeline(DiffusionPipeline):
         return out if return_dict else (out.fens, out.moves, out.tokens)
 
 
+def hold_out_move(fixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The "last" schedule's view of a start state: fixed long [B, L] (MASK where free) →
+    (held long [B, L]: the free move positions set to "-", so no unmasking plan includes them;
+    move_view long [B, 3]: what the model is shown at the move positions while the board is
+    unmasked, MASK where free and the fixed token elsewhere)."""
+    move_view = fixed[:, tokenizer.BOARD_LEN:].clone()
+    held = fixed.clone()
+    held[:, tokenizer.BOARD_LEN:] = torch.where(move_view == tokenizer.MASK_ID, _ABSENT_ID, move_view)
+    return held, move_view
+
+
+def show_move(x: torch.Tensor, move_view: torch.Tensor) -> torch.Tensor:
+    """x long [B, L] with its move positions replaced by ``move_view`` long [B, 3] (a copy)."""
+    shown = x.clone()
+    shown[:, tokenizer.BOARD_LEN:] = move_view
+    return shown
+
+
 @torch.no_grad()
 def move_last(logits_fn, fixed: torch.Tensor, num_steps: int, *, schedule: str = "cosine",
               temperature: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -197,19 +217,18 @@ def move_last(logits_fn, fixed: torch.Tensor, num_steps: int, *, schedule: str =
     board's free positions are unmasked by ``pipelines.unmasking.rollout`` in ``num_steps`` steps
     with the move positions held out of the plan (and shown to the model as MASK); then one more
     forward pass at the finished board picks the move (``choose_moves``)."""
-    free_move = fixed[:, tokenizer.BOARD_LEN:] == tokenizer.MASK_ID  # [B, 3]
+    held, move_view = hold_out_move(fixed)
+    board = rollout(lambda x: logits_fn(show_move(x, move_view)), held, num_steps, schedule=schedule,
+                    temperature=temperature, generator=generator).samples
+    return finish_move(logits_fn, board, move_view)
 
-    def board_logits(x: torch.Tensor) -> torch.Tensor:
-        shown = x.clone()
-        shown[:, tokenizer.BOARD_LEN:] = fixed[:, tokenizer.BOARD_LEN:]
-        return logits_fn(shown)
 
-    held = fixed.clone()
-    held[:, tokenizer.BOARD_LEN:] = torch.where(free_move, _ABSENT_ID, fixed[:, tokenizer.BOARD_LEN:])  # out of the plan
-    x = rollout(board_logits, held, num_steps, schedule=schedule, temperature=temperature, generator=generator).samples
-    x = x.clone()
-    x[:, tokenizer.BOARD_LEN:] = fixed[:, tokenizer.BOARD_LEN:]
-    if not bool(free_move.any()):
+def finish_move(logits_fn, board: torch.Tensor, move_view: torch.Tensor) -> torch.Tensor:
+    """The "last" schedule's final pass: board long [B, L] (a finished board; its move positions
+    are ignored) → the sample with the free move positions of ``move_view`` filled by
+    ``choose_moves`` (no pass when none is free)."""
+    x = show_move(board, move_view)
+    if not bool((move_view == tokenizer.MASK_ID).any()):
         return x
     return choose_moves(logits_fn(x), x)
 
@@ -256,6 +275,7 @@ class ChessAdapter(DenoiserAdapter):
     lora_targets = LORA_TARGETS
     supports_xformers = False  # its blocks call torch's scaled_dot_product_attention directly
     supports_gradient_checkpointing = False
+    move_schedules = MOVE_SCHEDULES  # what ``sampling.move_schedule`` may be for this family
 
     def __init__(self, pipe: ChessPuzzlePipeline, *, device: str | torch.device = "cpu"):
         # Not DenoiserAdapter.__init__: it reads image sizes off a VAE this family does not have.
@@ -304,10 +324,27 @@ class ChessAdapter(DenoiserAdapter):
         """The state a rollout starts from: long [B, L], the fixed tokens and MASK elsewhere."""
         return cond.tensors["fixed"].clone()
 
+    @staticmethod
+    def hold_out_move(cond: Conditioning) -> Conditioning:
+        """``cond`` for the "last" move schedule: its fixed state with the free move positions out
+        of the unmasking plan, and ``tensors["move_view"]`` long [B, 3], what ``predict`` shows
+        the model there (``pipelines.chess.hold_out_move``). Rollout and rescoring both read it."""
+        held, move_view = hold_out_move(cond.tensors["fixed"])
+        return Conditioning({**cond.tensors, "fixed": held, "move_view": move_view})
+
+    def finish_move(self, board: torch.Tensor, cond: Conditioning, guidance_scale: float = 1.0) -> torch.Tensor:
+        """The "last" schedule's move at finished boards long [B, L] (``cond`` from
+        ``hold_out_move``): the sample with the move filled in (``pipelines.chess.finish_move``).
+        Not a sampled step: it has no log-prob, and RL does not train it."""
+        return finish_move(lambda x: self.predict(x, None, cond, guidance_scale), board, cond.tensors["move_view"])
+
     def predict(self, x: torch.Tensor, t, cond: Conditioning, guidance_scale: float = 1.0,
                 model: nn.Module | None = None) -> torch.Tensor:
         """Logits float32 [B, L, V] (−inf = disallowed) at state x long [B, L]. ``t`` is unused:
-        the model reads the mask ratio off x."""
+        the model reads the mask ratio off x. Under the "last" move schedule (``cond`` holds
+        "move_view") the model sees that view at the move positions, not the held-out "-"."""
+        if "move_view" in cond.tensors:
+            x = show_move(x, cond.tensors["move_view"])
         return guided_logits(self.denoiser if model is None else model, x, cond.tensors["themes"], guidance_scale)
 
     def decode(self, x0: torch.Tensor) -> list[str]:

@@ -17,6 +17,12 @@ is much noisier at this batch size; both have the same minimiser (the true poste
 are dropped for conditioning at random (each kept with probability ``--theme-keep``, all of them
 dropped with probability ``--uncond``) so partial and empty requests are trained too.
 
+``--init-from DIR`` continues from a saved model (its weights and architecture; ``--dim``,
+``--layers``, ``--heads`` and ``--no-move-task`` are then taken from it) with a fresh warm-up and
+cosine schedule over ``--steps``: a warm restart, not an exact resume, since the first run kept
+no optimizer state. The split stays the one ``--seed`` draws; the batch and mask stream is seeded
+with ``--data-seed`` so the continuation does not replay the first run's batches in order.
+
 ``--no-move-task`` is the ablation of the auxiliary best-move task (METHODS §4): the same run in
 every other respect (seed, data, split, steps, schedule, the same random draws for the masks and
 themes), but the move positions are always ``[MASK]`` in the model's input and never in the
@@ -152,6 +158,10 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--init-from", default=None,
+                        help="a saved chess model folder to continue from (warm restart; see the docstring)")
+    parser.add_argument("--data-seed", type=int, default=None,
+                        help="seed of the batch/mask stream (default: --seed); change it when continuing a run")
     parser.add_argument("--no-move-task", dest="move_task", action="store_false",
                         help="ablation: never show or train the best-move positions (see the docstring)")
     args = parser.parse_args()
@@ -166,12 +176,29 @@ def main() -> None:
     th_train, th_test = theme_matrix(train), theme_matrix(test)
     print(f"{len(train)} train / {len(test)} held-out puzzles, data ready in {time.time() - start:.0f} s", flush=True)
 
-    model = ChessDiffusionModel(themes=THEMES, dim=args.dim, layers=args.layers, heads=args.heads,
-                                move_task=args.move_task).train()
+    continued_from = None
+    if args.init_from:
+        model = ChessDiffusionModel.from_pretrained(Path(args.init_from) / "model").train()
+        if list(model.config.themes) != list(THEMES):
+            raise ValueError(f"--init-from {args.init_from}: its theme list differs from pipelines.chess_model.THEMES")
+        args.dim, args.layers, args.heads = model.config.dim, model.config.layers, model.config.heads
+        args.move_task = model.config.move_task
+        prior = json.loads((Path(args.init_from) / "split.json").read_text())
+        if prior["seed"] != args.seed or prior["test_fraction"] != args.test_fraction:
+            raise ValueError(f"--init-from {args.init_from}: its split (seed {prior['seed']}, test fraction "
+                             f"{prior['test_fraction']}) differs from --seed/--test-fraction; the held-out set would leak")
+        previous = Path(args.init_from) / "pretraining.json"
+        if previous.exists():
+            record = json.loads(previous.read_text())
+            continued_from = {k: record.get(k) for k in ("out", "steps", "lr", "data_seed", "continued_from",
+                                                           "final_heldout_loss")}
+    else:
+        model = ChessDiffusionModel(themes=THEMES, dim=args.dim, layers=args.layers, heads=args.heads,
+                                    move_task=args.move_task).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
     decay = lambda s: min(1.0, (s + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
-    g = torch.Generator().manual_seed(args.seed)
+    g = torch.Generator().manual_seed(args.seed if args.data_seed is None else args.data_seed)
     history, recent = [], []
     pipe = ChessPuzzlePipeline(model)
 
@@ -202,6 +229,7 @@ def main() -> None:
     (out / "pretraining.json").write_text(json.dumps({
         **vars(args), "train_puzzles": len(train), "heldout_puzzles": len(test),
         "parameters": sum(p.numel() for p in model.parameters()),
+        "continued_from": continued_from,
         "final_train_loss": history[-1]["train_loss"], "final_heldout_loss": held,
         "loss": "plain masked CE (token mean), mask ratio ~ U(0,1) stratified", "minutes": (time.time() - start) / 60,
         "cpu_minutes": time.process_time() / 60,  # what the run would take alone on its threads

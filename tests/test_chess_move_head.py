@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipelines import chess_tokenizer as tok
-from pipelines.chess import ChessPuzzlePipeline, choose_moves, legal_move_tokens, move_last, partial_tokens
+from pipelines.chess import ChessAdapter, ChessPuzzlePipeline, choose_moves, legal_move_tokens, move_last, partial_tokens
 from pipelines.chess_model import ChessDiffusionModel
 from script_module import load_script
 
@@ -145,6 +145,80 @@ def test_a_no_move_task_model_ignores_move_tokens_and_refuses_a_fixed_move():
     assert not torch.equal(tiny_model()(given, themes), tiny_model()(masked, themes))
     with pytest.raises(ValueError, match="move_task"):
         ChessPuzzlePipeline(model)(["fork"], partial=partial_tokens(PROMO, [tok.MOVE_FROM], move="a7a8q"))
+
+
+# -- the "last" schedule in training (sampling.move_schedule) ---------------------------------
+def _last_sampling(num_steps: int = 6):
+    from flowalign.config import SamplingConfig
+
+    return SamplingConfig(num_steps=num_steps, move_schedule="last")
+
+
+def test_training_rollout_under_last_samples_what_the_pipeline_samples(tmp_path):
+    """The trainer's rollout (``masked_rollout``) with the same seed gives the pipeline's "last"
+    samples, board and move; no step unmasks a move position, so no log-prob covers the move."""
+    from flowalign.epoch_sampler import masked_rollout
+
+    ChessPuzzlePipeline(tiny_model()).save_pretrained(tmp_path)
+    adapter = ChessAdapter.from_pretrained(str(tmp_path))
+    requests = ["fork", "mateIn2", "", "pin short"] * 2
+    traj = masked_rollout(adapter, adapter.encode(requests), _last_sampling(), torch.Generator().manual_seed(4))
+    out = adapter.pipe(requests, num_steps=6, move_schedule="last", generator=torch.Generator().manual_seed(4))
+    assert torch.equal(traj.samples, out.tokens)
+    assert not bool(traj.unmask[:, :, MOVES].any())
+    assert not bool((traj.samples == tok.MASK_ID).any())
+
+
+def test_rescoring_a_last_rollout_gives_ratio_exactly_one_only_with_the_move_view(tmp_path):
+    """Rescoring reads the trajectory's conditioning, which carries the move view: every step's
+    log-prob is reproduced exactly. Shown "-" instead (the held-out token), the model would
+    condition on "no move" and the log-probs differ, which is what the view prevents."""
+    from flowalign.epoch_sampler import masked_rollout
+    from pipelines.base import Conditioning
+    from pipelines.unmasking import score_step
+
+    ChessPuzzlePipeline(tiny_model()).save_pretrained(tmp_path)
+    adapter = ChessAdapter.from_pretrained(str(tmp_path))
+    traj = masked_rollout(adapter, adapter.encode(["fork short", "mateIn2", "", "pin"]), _last_sampling(4),
+                          torch.Generator().manual_seed(3))
+    blind = Conditioning({k: v for k, v in traj.cond.tensors.items() if k != "move_view"})
+    differs = False
+    for s in range(traj.num_steps):
+        step = (traj.states[:, s], traj.states[:, s + 1], traj.unmask[:, s])
+        seen = score_step(adapter.predict(step[0], None, traj.cond, model=adapter.trainable()), *step[1:])
+        assert torch.equal(seen.log_prob, traj.log_probs[:, s])
+        differs |= not torch.equal(score_step(adapter.predict(step[0], None, blind), *step[1:]).log_prob,
+                                   traj.log_probs[:, s])
+    assert differs
+
+
+def test_move_schedule_last_is_refused_for_a_family_without_a_move():
+    from flowalign.config import ConfigError, load_config
+    from flowalign.preflight import check_model
+
+    config = load_config("configs/shapes_nft.yaml", ["sampling.move_schedule=last"])
+    with pytest.raises(ConfigError, match="sampling.move_schedule"):
+        check_model(config)
+    with pytest.raises(ConfigError, match="sampling.move_schedule"):
+        load_config("configs/chess_ddpo.yaml", ["sampling.move_schedule=first"])
+
+
+def test_a_short_ddpo_run_under_last_runs_on_policy(tmp_path):
+    """``flowalign train`` with ``sampling.move_schedule=last`` as a user runs it: the run
+    finishes, records the schedule, and its first epoch trains near ratio 1 (a rescoring that
+    saw the held-out "-" instead of the move view would put the ratios far from 1)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "flowalign.cli", "train", "configs/chess_ddpo.yaml", "train.epochs=1",
+                    "train.groups_per_epoch=2", "train.train_batch_size=16", "reward.kwargs={engines: 1, nodes: 2000}",
+                    "eval.seeds=1", "eval.grid_prompts=1", "eval.grid_seeds=1", "checkpoint_every=0", "threads=1",
+                    "tracker=none", "sampling.move_schedule=last", f"output_dir={out}"], check=True, capture_output=True)
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    assert abs(history[0]["train/ratio"] - 1.0) < 0.05 and history[0]["train/clipfrac"] < 0.1
+    assert json.loads((out / "config.json").read_text())["sampling"]["move_schedule"] == "last"
 
 
 # -- pre-training masks ----------------------------------------------------------------------
