@@ -239,3 +239,40 @@ def test_pretraining_masks_without_the_move_task_train_no_move_and_mask_the_boar
     natural = trained_with[:, :tok.BOARD_LEN].sum(1) > 1
     assert int(natural.sum()) > 200
     assert torch.equal(trained_with[natural, :tok.BOARD_LEN], trained_wo[natural, :tok.BOARD_LEN])
+
+
+# -- pre-training continued from a saved model (--init-from) ---------------------------------
+def _run_pretrain(tmp_path, *args):
+    import subprocess
+    import sys
+
+    from flowalign.chess.puzzles import DEFAULT_PUZZLES
+
+    if not DEFAULT_PUZZLES.exists():
+        pytest.skip(f"shared puzzle CSV not at {DEFAULT_PUZZLES}")
+    small = tmp_path / "puzzles.csv"
+    if not small.exists():
+        small.write_text("".join(DEFAULT_PUZZLES.open().readlines()[:301]))  # header + 300 puzzles
+    return subprocess.run([sys.executable, "scripts/pretrain_chess.py", "--data", str(small), "--batch", "8",
+                           "--test-fraction", "0.1", "--eval-every", "1000", *args], capture_output=True, text=True)
+
+
+def test_pretraining_continues_from_the_saved_weights_and_keeps_the_split(tmp_path):
+    """--init-from with 0 steps evaluates the loaded model: the same held-out loss as the run it
+    continues (a fresh init would not give it), the architecture read from the saved config, the
+    same split; a different --seed (another split: the held-out puzzles would leak) is refused."""
+    import json
+
+    first = _run_pretrain(tmp_path, "--out", str(tmp_path / "a"), "--steps", "3", "--dim", "32", "--layers", "1",
+                          "--heads", "2")
+    assert first.returncode == 0, first.stderr
+    again = _run_pretrain(tmp_path, "--out", str(tmp_path / "b"), "--steps", "0", "--init-from", str(tmp_path / "a"),
+                          "--data-seed", "1")
+    assert again.returncode == 0, again.stderr
+    a, b = (json.loads((tmp_path / d / "pretraining.json").read_text()) for d in "ab")
+    assert b["final_heldout_loss"] == a["final_heldout_loss"]
+    assert (b["dim"], b["layers"], b["heads"]) == (32, 1, 2) and b["continued_from"]["steps"] == 3
+    assert (tmp_path / "a" / "split.json").read_text() == (tmp_path / "b" / "split.json").read_text()
+    refused = _run_pretrain(tmp_path, "--out", str(tmp_path / "c"), "--steps", "0", "--init-from", str(tmp_path / "a"),
+                            "--seed", "1")
+    assert refused.returncode != 0 and "split" in refused.stderr
