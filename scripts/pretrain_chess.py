@@ -165,6 +165,11 @@ def main() -> None:
     parser.add_argument("--no-move-task", dest="move_task", action="store_false",
                         help="ablation: never show or train the best-move positions (see the docstring)")
     args = parser.parse_args()
+    if args.init_from:  # before the data and the model load: a different split would leak the held-out set
+        prior = json.loads((Path(args.init_from) / "split.json").read_text())
+        if prior["seed"] != args.seed or prior["test_fraction"] != args.test_fraction:
+            parser.error(f"--init-from {args.init_from}: its split (seed {prior['seed']}, test fraction "
+                         f"{prior['test_fraction']}) differs from --seed/--test-fraction; the held-out set would leak")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     out = Path(args.out)
@@ -183,10 +188,6 @@ def main() -> None:
             raise ValueError(f"--init-from {args.init_from}: its theme list differs from pipelines.chess_model.THEMES")
         args.dim, args.layers, args.heads = model.config.dim, model.config.layers, model.config.heads
         args.move_task = model.config.move_task
-        prior = json.loads((Path(args.init_from) / "split.json").read_text())
-        if prior["seed"] != args.seed or prior["test_fraction"] != args.test_fraction:
-            raise ValueError(f"--init-from {args.init_from}: its split (seed {prior['seed']}, test fraction "
-                             f"{prior['test_fraction']}) differs from --seed/--test-fraction; the held-out set would leak")
         previous = Path(args.init_from) / "pretraining.json"
         if previous.exists():
             record = json.loads(previous.read_text())
