@@ -170,6 +170,9 @@ def main() -> None:
         if prior["seed"] != args.seed or prior["test_fraction"] != args.test_fraction:
             parser.error(f"--init-from {args.init_from}: its split (seed {prior['seed']}, test fraction "
                          f"{prior['test_fraction']}) differs from --seed/--test-fraction; the held-out set would leak")
+        if json.loads((Path(args.init_from) / "model" / "config.json").read_text())["themes"] != list(THEMES):
+            parser.error(f"--init-from {args.init_from}: its theme list differs from pipelines.chess_model.THEMES "
+                         "(extending a model's themes is not supported)")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     out = Path(args.out)
@@ -184,8 +187,6 @@ def main() -> None:
     continued_from = None
     if args.init_from:
         model = ChessDiffusionModel.from_pretrained(Path(args.init_from) / "model").train()
-        if list(model.config.themes) != list(THEMES):
-            raise ValueError(f"--init-from {args.init_from}: its theme list differs from pipelines.chess_model.THEMES")
         args.dim, args.layers, args.heads = model.config.dim, model.config.layers, model.config.heads
         args.move_task = model.config.move_task
         previous = Path(args.init_from) / "pretraining.json"

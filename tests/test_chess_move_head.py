@@ -154,13 +154,18 @@ def _last_sampling(num_steps: int = 6):
     return SamplingConfig(num_steps=num_steps, move_schedule="last")
 
 
-def test_training_rollout_under_last_samples_what_the_pipeline_samples(tmp_path):
+@pytest.fixture
+def tiny_adapter(tmp_path):
+    ChessPuzzlePipeline(tiny_model()).save_pretrained(tmp_path)
+    return ChessAdapter.from_pretrained(str(tmp_path))
+
+
+def test_training_rollout_under_last_samples_what_the_pipeline_samples(tiny_adapter):
     """The trainer's rollout (``masked_rollout``) with the same seed gives the pipeline's "last"
     samples, board and move; no step unmasks a move position, so no log-prob covers the move."""
     from flowalign.epoch_sampler import masked_rollout
 
-    ChessPuzzlePipeline(tiny_model()).save_pretrained(tmp_path)
-    adapter = ChessAdapter.from_pretrained(str(tmp_path))
+    adapter = tiny_adapter
     requests = ["fork", "mateIn2", "", "pin short"] * 2
     traj = masked_rollout(adapter, adapter.encode(requests), _last_sampling(), torch.Generator().manual_seed(4))
     out = adapter.pipe(requests, num_steps=6, move_schedule="last", generator=torch.Generator().manual_seed(4))
@@ -169,7 +174,7 @@ def test_training_rollout_under_last_samples_what_the_pipeline_samples(tmp_path)
     assert not bool((traj.samples == tok.MASK_ID).any())
 
 
-def test_rescoring_a_last_rollout_gives_ratio_exactly_one_only_with_the_move_view(tmp_path):
+def test_rescoring_a_last_rollout_gives_ratio_exactly_one_only_with_the_move_view(tiny_adapter):
     """Rescoring reads the trajectory's conditioning, which carries the move view: every step's
     log-prob is reproduced exactly. Shown "-" instead (the held-out token), the model would
     condition on "no move" and the log-probs differ, which is what the view prevents."""
@@ -177,8 +182,7 @@ def test_rescoring_a_last_rollout_gives_ratio_exactly_one_only_with_the_move_vie
     from pipelines.base import Conditioning
     from pipelines.unmasking import score_step
 
-    ChessPuzzlePipeline(tiny_model()).save_pretrained(tmp_path)
-    adapter = ChessAdapter.from_pretrained(str(tmp_path))
+    adapter = tiny_adapter
     traj = masked_rollout(adapter, adapter.encode(["fork short", "mateIn2", "", "pin"]), _last_sampling(4),
                           torch.Generator().manual_seed(3))
     blind = Conditioning({k: v for k, v in traj.cond.tensors.items() if k != "move_view"})
@@ -204,9 +208,11 @@ def test_move_schedule_last_is_refused_for_a_family_without_a_move():
 
 
 def test_a_short_ddpo_run_under_last_runs_on_policy(tmp_path):
-    """``flowalign train`` with ``sampling.move_schedule=last`` as a user runs it: the run
-    finishes, records the schedule, and its first epoch trains near ratio 1 (a rescoring that
-    saw the held-out "-" instead of the move view would put the ratios far from 1)."""
+    """``flowalign train`` with ``sampling.move_schedule=last`` as a user runs it: the move view
+    travels with the conditioning through the trainer's batching (epoch cat, minibatch
+    indexing, the reference's rescoring), the run finishes on-policy in its first epoch and
+    records the schedule. (That rollout and rescoring show the same view is the unit test's
+    job above: dropping the view from both keeps this ratio at 1.)"""
     import json
     import subprocess
     import sys
