@@ -28,7 +28,6 @@ import dataclasses
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,8 +39,8 @@ import chess  # noqa: E402
 from flowalign.chess.puzzles import DEFAULT_PUZZLES, Puzzle, read_puzzles, sample_puzzles  # noqa: E402
 from reward_models.chess.engine import SearchLimit, StockfishPool  # noqa: E402
 from reward_models.chess.themes import EVAL_SCALE, SUPPORTED_THEMES, tag_themes  # noqa: E402
-from reward_models.chess.uniqueness import (DEFAULT_RULE, LICHESS, LICHESS_GENERATOR, LineScore,  # noqa: E402
-                                             Rule, _judge, _step, ends_in_mate, ends_line)
+from reward_models.chess.uniqueness import (DEFAULT_RULE, LICHESS, LineScore, Rule, _judge, _step,  # noqa: E402
+                                             ends_in_mate, ends_line, lichess_generator)
 
 
 def _ratio(a: int, b: int) -> float | None:
@@ -121,19 +120,23 @@ def _verdict(p: Puzzle, steps: dict[str, list[dict]], rule: Rule, deep: bool) ->
     return "unique"
 
 
-# the rules a run can use to decide where to search deeper (--deep-rule)
-DEEP_RULES = {"lichess": LICHESS, "lichess_scaled": dataclasses.replace(LICHESS, cp_scale=EVAL_SCALE),
-              "lichess_generator": LICHESS_GENERATOR}
+def deep_rules(engine_name: str) -> dict[str, Rule]:
+    """The rules a run can use to decide where to search deeper (--deep-rule), for the engine named
+    ``engine_name`` (the generator's thresholds are in Stockfish 12–15's cp: ``uniqueness.generator_units``)."""
+    return {"lichess": LICHESS, "lichess_scaled": dataclasses.replace(LICHESS, cp_scale=EVAL_SCALE),
+            "lichess_generator": lichess_generator(engine_name)}
 
 
-def uniqueness_rules(rule: Rule) -> dict[str, tuple[Rule, bool]]:
-    """The rules judged offline from one set of searches: name → (rule, use the deeper searches
-    where the run made them). ``rule``: the run's (unused: the verdicts read the recorded searches)."""
+def uniqueness_rules(engine_name: str) -> dict[str, tuple[Rule, bool]]:
+    """The rules judged offline from one set of searches by the engine named ``engine_name``:
+    name → (rule, use the deeper searches where the run made them)."""
+    rules = deep_rules(engine_name)
     return {"default_base": (DEFAULT_RULE, False), "lichess_base": (LICHESS, False),
-            "lichess_adaptive": (LICHESS, True), "lichess_scaled_base": (DEEP_RULES["lichess_scaled"], False),
-            "lichess_scaled_adaptive": (DEEP_RULES["lichess_scaled"], True),
+            "lichess_adaptive": (LICHESS, True), "lichess_scaled_base": (rules["lichess_scaled"], False),
+            "lichess_scaled_adaptive": (rules["lichess_scaled"], True),
             # the generator of 2020–22: Stockfish 12–15's cp scale and win chance (uniqueness.LICHESS_GENERATOR)
-            "generator_base": (LICHESS_GENERATOR, False), "generator_adaptive": (LICHESS_GENERATOR, True)}
+            "generator_base": (rules["lichess_generator"], False),
+            "generator_adaptive": (rules["lichess_generator"], True)}
 
 
 def summarise_uniqueness(rows: list[dict], rules: dict, seconds: float, rule: Rule) -> dict:
@@ -191,7 +194,7 @@ def measure_uniqueness(puzzles: list[Puzzle], pool: StockfishPool, max_puzzles: 
                      "seconds": round(time.perf_counter() - t, 2), "nodes": sum(r["nodes"] for r in records),
                      "base_nodes": sum(r["nodes"] for r in records if r["nodes"] == pool.limit.nodes),
                      "deep_searches": sum(r["nodes"] != pool.limit.nodes for r in records), "steps": records})
-    rules = uniqueness_rules(rule)
+    rules = uniqueness_rules(pool.name)
     add_verdicts(rows, {p.puzzle_id: p for p in puzzles}, rules)
     return summarise_uniqueness(rows, rules, time.perf_counter() - start, rule)
 
@@ -209,11 +212,6 @@ def uniqueness_sample(puzzles: list[Puzzle], n: int, seed: int, tuning: int | No
     if only:
         drawn = [p for p in drawn if ("mate" in p.themes) == (only == "mate")]
     return drawn[:n]
-
-
-def _stockfish_version(path: str) -> str:
-    out = subprocess.run([path], input="uci\nquit\n", capture_output=True, text=True, timeout=10).stdout
-    return next((line[len("id name "):] for line in out.splitlines() if line.startswith("id name ")), "?")
 
 
 def markdown_tables(result: dict) -> str:
@@ -271,7 +269,7 @@ def main() -> None:
     ap.add_argument("--deep-nodes", type=int, default=1_000_000,
                     help="uniqueness: re-search a step this deep when within --margin of a threshold")
     ap.add_argument("--margin", type=float, default=0.15)
-    ap.add_argument("--deep-rule", choices=sorted(DEEP_RULES), default="lichess",
+    ap.add_argument("--deep-rule", choices=("lichess", "lichess_generator", "lichess_scaled"), default="lichess",
                     help="the rule whose slack (< --margin) decides which steps are searched again at --deep-nodes")
     ap.add_argument("--rescore", default=None, metavar="JSON",
                     help="recompute the uniqueness verdicts of an earlier --out from its recorded searches")
@@ -294,7 +292,7 @@ def main() -> None:
         result = json.loads(Path(args.rescore).read_text())
         u = result["uniqueness"]
         rule = Rule(**u["rule"])
-        rules = uniqueness_rules(rule)
+        rules = uniqueness_rules(result["settings"]["stockfish"].rsplit(" (", 1)[1].rstrip(")"))  # "path (name)"
         add_verdicts(u["rows"], {p.puzzle_id: p for p in puzzles}, rules)
         result["uniqueness"] = summarise_uniqueness(u["rows"], rules, u["seconds"], rule)
         Path(args.rescore).write_text(json.dumps(result, indent=1) + "\n")
@@ -337,9 +335,10 @@ def main() -> None:
                                       args.unique_only)
     limit = SearchLimit(nodes=args.nodes, time=10.0)
     with StockfishPool(size=1, limit=limit, path=args.stockfish, threads=1, hash_mb=16) as pool:
-        settings["stockfish"] = f"{pool.path} ({_stockfish_version(pool.path)})"
+        settings["stockfish"] = f"{pool.path} ({pool.name})"
         print("settings:", json.dumps({k: v for k, v in settings.items() if k != "command"}), flush=True)
-        rule = dataclasses.replace(DEEP_RULES[args.deep_rule], deep_nodes=args.deep_nodes, margin=args.margin)
+        rule = dataclasses.replace(deep_rules(pool.name)[args.deep_rule], deep_nodes=args.deep_nodes,
+                                   margin=args.margin)
         uniqueness = measure_uniqueness(unique_sample, pool, args.unique_puzzles, args.unique_seconds, rule)
     result = {"settings": settings, "tagger": tagger, "uniqueness": uniqueness}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

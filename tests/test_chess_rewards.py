@@ -122,6 +122,28 @@ def test_lichess_generator_rule_by_hand():
     assert problem[0] == "close_second" and slack == pytest.approx(1 - w(174) - 0.7, abs=1e-4)
 
 
+def test_generator_units_follow_the_engine_version():
+    # the generator's thresholds are in Stockfish 12–15's printed cp (internal / 208); 15.1 prints internal / 361,
+    # 16 internal / 328 (src/uci.cpp, uci.h of each tag); 17 on divides by a material-dependent value
+    from script_module import load_script
+
+    from reward_models.chess.uniqueness import LICHESS_GENERATOR, _judge, generator_units, lichess_generator
+
+    assert generator_units("Stockfish 12") == generator_units("Stockfish 15") == 1.0
+    assert generator_units("Stockfish 15.1") == LICHESS_GENERATOR.cp_scale == 361 / 208
+    assert generator_units("Stockfish 16") == 328 / 208
+    for unknown in ("Stockfish 17", "Stockfish dev-20240101-abcdef12", "Komodo 14"):
+        with pytest.raises(ValueError, match=unknown):
+            generator_units(unknown)
+    # the same printed 400 cp against 0: 400 cp on Stockfish 12 (W 0.66 < 0.7), 694 cp's worth on 15.1 (W 0.88)
+    best, second = LineScore("a", cp=400), LineScore("b", cp=0)
+    assert _judge(best, second, lichess_generator("Stockfish 12"), True, None)[0][0] == "close_second"
+    assert _judge(best, second, lichess_generator("Stockfish 15.1"), True, None)[0] is None
+    # the measurement judges its recorded searches with the rule of the engine that made them
+    rules = load_script("measure_chess_rewards").uniqueness_rules("Stockfish 12")
+    assert rules["generator_adaptive"][0].cp_scale == rules["generator_base"][0].cp_scale == 1.0
+
+
 def test_generator_mate_logic_by_hand():
     # lichess-puzzler's cook_mate (v44–v48): every solver move after the first of a mating line must be
     # announced as a mate in ≤ 15 (mate_soon), else "not searching deep enough"; the other rules judge its cp
@@ -548,6 +570,27 @@ def test_chess_puzzle_reward_lichess_rule_and_evaluation_label():
     assert verdicts[0].uniqueness.steps[-1]["nodes"] == 40_000  # the failing first move was searched deeper
     with pytest.raises(ValueError, match="rule must be one of"):
         ChessPuzzleReward(rule="strict")
+
+
+@needs_stockfish
+def test_chess_puzzle_reward_converts_the_engines_cp_for_the_generator_rule(tmp_path):
+    from reward_models.chess.uniqueness import generator_units
+
+    reward = build_reward("chess_puzzle", nodes=20_000, rule="lichess_generator")
+    reward.judge([BACK_RANK_M1], [{}])
+    name = reward.pool.name
+    assert name.startswith("Stockfish ") and reward.check_kwargs["rule"].cp_scale == generator_units(name)
+    reward.close()
+    # an engine whose units are unknown is refused, at the first call and every later one (never judged
+    # silently on Stockfish 15.1's scale); the real engine behind a wrapper that renames it
+    wrapper = tmp_path / "stockfish17"
+    wrapper.write_text(f"#!/bin/sh\n'{find_stockfish()}' \"$@\" | sed -u 's/^id name .*/id name Stockfish 17/'\n")
+    wrapper.chmod(0o755)
+    reward = build_reward("chess_puzzle", nodes=20_000, rule="lichess_generator", stockfish=str(wrapper))
+    for _ in range(2):
+        with pytest.raises(ValueError, match="Stockfish 17"):
+            reward.judge([BACK_RANK_M1], [{}])
+    assert reward._pool is None
 
 
 def test_chess_puzzle_reward_names_unknown_themes():

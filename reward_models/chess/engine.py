@@ -210,6 +210,8 @@ class StockfishPool:
         except BaseException:
             self.close()
             raise
+        # the engine's UCI ``id name`` ("Stockfish 15.1"): scores' units depend on the version (uniqueness.generator_units)
+        self.name: str = self._engines[0].id.get("name", "?")
         self._free: queue.Queue[int] = queue.Queue()
         for slot in range(size):
             self._free.put(slot)

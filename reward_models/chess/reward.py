@@ -40,7 +40,7 @@ from reward_models.chess.engine import SearchLimit, StockfishPool
 from reward_models.chess.legality import legality_problems
 from reward_models.chess.themes import EVAL_SCALE, SUPPORTED_THEMES, replay, tag_line
 from reward_models.chess.uniqueness import (DEFAULT_RULE, LICHESS, LICHESS_GENERATOR, UniquenessResult,
-                                             check_position)
+                                             check_position, generator_units)
 
 NAN = float("nan")
 
@@ -112,7 +112,8 @@ class ChessPuzzleReward(Reward):
     ``max_solver_moves`` as in ``uniqueness.check_position``; ``rule``: "default" (gap 0.5),
     "lichess" (Lichess's generator thresholds, ``uniqueness.LICHESS``, on our cp × ``EVAL_SCALE``)
     or "lichess_generator" (the same thresholds on Stockfish 12–15's cp scale with the win chance
-    of 2020–22, ``uniqueness.LICHESS_GENERATOR``; ``gap`` / ``min_first_cp`` still override), with ``deep_nodes`` to re-search close steps
+    of 2020–22, ``uniqueness.LICHESS_GENERATOR``, the engine's cp converted by its version,
+    ``uniqueness.generator_units``; ``gap`` / ``min_first_cp`` still override), with ``deep_nodes`` to re-search close steps
     deeper. The evaluation themes (advantage, crushing, equality) come from the engine's score of
     the line's last solver move. The engines start at the first
     call and stop with ``close()`` (or when the reward is garbage-collected).
@@ -134,13 +135,21 @@ class ChessPuzzleReward(Reward):
                                 hash_mb=hash_mb)
         self.check_kwargs = dict(gap=gap, min_first_cp=min_first_cp, max_solver_moves=max_solver_moves,
                                  rule=dataclasses.replace(rules[rule], deep_nodes=deep_nodes))
-        self.strict_material = strict_material
+        self.strict_material, self.rule_name = strict_material, rule
         self._pool: StockfishPool | None = None
 
     @property
     def pool(self) -> StockfishPool:
         if self._pool is None:
-            self._pool = StockfishPool(**self.pool_kwargs)
+            pool = StockfishPool(**self.pool_kwargs)
+            if self.rule_name == "lichess_generator":  # its thresholds are in Stockfish 12–15's cp: convert this engine's
+                try:
+                    scale = generator_units(pool.name)
+                except ValueError:
+                    pool.close()
+                    raise
+                self.check_kwargs["rule"] = dataclasses.replace(self.check_kwargs["rule"], cp_scale=scale)
+            self._pool = pool
             weakref.finalize(self, self._pool.close)
         return self._pool
 

@@ -155,14 +155,38 @@ class Rule:
 
 DEFAULT_RULE = Rule()
 LICHESS = Rule(gap=0.7, strict_gap=True, every_move_cp=True, mate_in_one_max=0.6)
-# Stockfish 12–15 printed cp = internal / PawnValueEg (208); 15.1 (Debian's, ours) prints internal /
+# Stockfish 12–15 printed cp = internal / PawnValueEg (208); 15.1 (Debian bookworm's) prints internal /
 # NormalizeToPawnValue (361), so the same internal score reads 361/208 ≈ 1.74× larger in the versions
 # lichess-puzzler ran in 2020–22, when most of the puzzle database was generated (src/uci.cpp)
 SF15_1_TO_SF12_15 = 361 / 208
+# printed cp × this = Stockfish 12–15's printed cp, by release (src/uci.cpp and uci.h of each tag): 15.1 divides
+# by NormalizeToPawnValue 361, 16 by 328, 16.1 by 356; from 17 on the divisor depends on the position's material
+_TO_SF12_15_UNITS = {"12": 1.0, "13": 1.0, "14": 1.0, "14.1": 1.0, "15": 1.0, "15.1": SF15_1_TO_SF12_15,
+                     "16": 328 / 208, "16.1": 356 / 208}
+
+
+def generator_units(engine_name: str) -> float:
+    """The factor from the cp that the engine named ``engine_name`` (its UCI ``id name``, e.g.
+    "Stockfish 15.1") prints to Stockfish 12–15's printed cp, the units lichess-puzzler's thresholds
+    were set in. Raises ValueError for an engine whose units are not a known constant (Stockfish 17
+    and later, development builds, other engines)."""
+    version = engine_name.removeprefix("Stockfish ").strip()
+    if version not in _TO_SF12_15_UNITS:
+        raise ValueError(f"no known cp scale for the engine {engine_name!r} (known: Stockfish "
+                         f"{', '.join(_TO_SF12_15_UNITS)}); rule 'lichess_generator' needs one")
+    return _TO_SF12_15_UNITS[version]
+
+
 # Lichess's generator as it ran then (v44–v48, 2021-02 to 2022-08): its thresholds on that cp scale, its win
-# chance of the time, and cook_mate's mate logic (MATE_SOON, MATE_IN_ONE_LINES_2020_22)
+# chance of the time, and cook_mate's mate logic (MATE_SOON, MATE_IN_ONE_LINES_2020_22). The cp scale here
+# is Stockfish 15.1's; ``lichess_generator(engine_name)`` gives the rule for another engine.
 LICHESS_GENERATOR = dataclasses.replace(LICHESS, cp_scale=SF15_1_TO_SF12_15, win_k=0.004, mate_within=MATE_SOON,
                                         mate_in_one_lines=MATE_IN_ONE_LINES_2020_22)
+
+
+def lichess_generator(engine_name: str) -> Rule:
+    """``LICHESS_GENERATOR`` for the engine named ``engine_name``: its cp converted to the generator's units."""
+    return dataclasses.replace(LICHESS_GENERATOR, cp_scale=generator_units(engine_name))
 
 
 @dataclass
