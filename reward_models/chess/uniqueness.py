@@ -207,7 +207,9 @@ class UniquenessResult:
 
 def _search(engine: EngineHandle, board: chess.Board, nodes: int | None = None,
             multipv: int = 2) -> tuple[LineScore, LineScore | None, list[chess.Move], list[LineScore]]:
-    limit = None if nodes is None else dataclasses.replace(engine.limit, nodes=nodes, time=max(engine.limit.time, 60.0))
+    # a deeper search's time cap allows 100k nodes/s at least (≥ 60 s), so a loaded machine does not cut it short
+    limit = None if nodes is None else dataclasses.replace(engine.limit, nodes=nodes,
+                                                           time=max(engine.limit.time, 60.0, nodes / 100_000))
     infos = engine.analyse(board, multipv=multipv, limit=limit)
     scores = line_scores(infos, board.turn)
     if not scores:
