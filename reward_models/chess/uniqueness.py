@@ -31,7 +31,9 @@ of a threshold (or failing) is searched again that deep, and the deeper search d
 cheap search settles the clear cases, the expensive one only the close ones. ``LICHESS_GENERATOR``
 is the generator of 2021–22 (its cp scale and win chance, and ``cook_mate``'s mate logic: a mate in
 ≤ 15 announced at every later solver move of a mating line, searched deeper when it is not;
-five lines at a mate in one with several mating moves; see ``Rule`` and docs/chess.md).
+five lines at a mate in one with several mating moves; see ``Rule`` and docs/chess.md). Its cp
+scale is for Stockfish 15.1; ``lichess_generator(engine_name)`` converts another version's cp
+(``generator_units``).
 """
 
 from __future__ import annotations
