@@ -122,21 +122,27 @@ def _verdict(p: Puzzle, steps: dict[str, list[dict]], rule: Rule, deep: bool) ->
 
 def deep_rules(engine_name: str) -> dict[str, Rule]:
     """The rules a run can use to decide where to search deeper (--deep-rule), for the engine named
-    ``engine_name`` (the generator's thresholds are in Stockfish 12–15's cp: ``uniqueness.generator_units``)."""
-    return {"lichess": LICHESS, "lichess_scaled": dataclasses.replace(LICHESS, cp_scale=EVAL_SCALE),
-            "lichess_generator": lichess_generator(engine_name)}
+    ``engine_name`` (the generator's thresholds are in Stockfish 12–15's cp: ``uniqueness.generator_units``;
+    without "lichess_generator" for an engine whose cp has no known factor, e.g. Stockfish 17)."""
+    rules = {"lichess": LICHESS, "lichess_scaled": dataclasses.replace(LICHESS, cp_scale=EVAL_SCALE)}
+    try:
+        rules["lichess_generator"] = lichess_generator(engine_name)
+    except ValueError:
+        pass
+    return rules
 
 
 def uniqueness_rules(engine_name: str) -> dict[str, tuple[Rule, bool]]:
     """The rules judged offline from one set of searches by the engine named ``engine_name``:
     name → (rule, use the deeper searches where the run made them)."""
     rules = deep_rules(engine_name)
-    return {"default_base": (DEFAULT_RULE, False), "lichess_base": (LICHESS, False),
-            "lichess_adaptive": (LICHESS, True), "lichess_scaled_base": (rules["lichess_scaled"], False),
-            "lichess_scaled_adaptive": (rules["lichess_scaled"], True),
-            # the generator of 2020–22: Stockfish 12–15's cp scale and win chance (uniqueness.LICHESS_GENERATOR)
-            "generator_base": (rules["lichess_generator"], False),
-            "generator_adaptive": (rules["lichess_generator"], True)}
+    judged = {"default_base": (DEFAULT_RULE, False), "lichess_base": (LICHESS, False),
+              "lichess_adaptive": (LICHESS, True), "lichess_scaled_base": (rules["lichess_scaled"], False),
+              "lichess_scaled_adaptive": (rules["lichess_scaled"], True)}
+    if "lichess_generator" in rules:  # the generator of 2020–22: Stockfish 12–15's cp and win chance
+        judged |= {"generator_base": (rules["lichess_generator"], False),
+                   "generator_adaptive": (rules["lichess_generator"], True)}
+    return judged
 
 
 def summarise_uniqueness(rows: list[dict], rules: dict, seconds: float, rule: Rule) -> dict:
@@ -337,8 +343,11 @@ def main() -> None:
     with StockfishPool(size=1, limit=limit, path=args.stockfish, threads=1, hash_mb=16) as pool:
         settings["stockfish"] = f"{pool.path} ({pool.name})"
         print("settings:", json.dumps({k: v for k, v in settings.items() if k != "command"}), flush=True)
-        rule = dataclasses.replace(deep_rules(pool.name)[args.deep_rule], deep_nodes=args.deep_nodes,
-                                   margin=args.margin)
+        rules = deep_rules(pool.name)
+        if args.deep_rule not in rules:
+            raise SystemExit(f"--deep-rule {args.deep_rule}: the cp of {pool.name} has no known factor to "
+                             f"Stockfish 12–15's (uniqueness.generator_units); use --deep-rule lichess")
+        rule = dataclasses.replace(rules[args.deep_rule], deep_nodes=args.deep_nodes, margin=args.margin)
         uniqueness = measure_uniqueness(unique_sample, pool, args.unique_puzzles, args.unique_seconds, rule)
     result = {"settings": settings, "tagger": tagger, "uniqueness": uniqueness}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -140,8 +140,12 @@ def test_generator_units_follow_the_engine_version():
     assert _judge(best, second, lichess_generator("Stockfish 12"), True, None)[0][0] == "close_second"
     assert _judge(best, second, lichess_generator("Stockfish 15.1"), True, None)[0] is None
     # the measurement judges its recorded searches with the rule of the engine that made them
-    rules = load_script("measure_chess_rewards").uniqueness_rules("Stockfish 12")
+    measure = load_script("measure_chess_rewards")
+    rules = measure.uniqueness_rules("Stockfish 12")
     assert rules["generator_adaptive"][0].cp_scale == rules["generator_base"][0].cp_scale == 1.0
+    # an engine without a known factor is still measured, by the other rules only
+    assert set(measure.uniqueness_rules("Stockfish 17")) == set(rules) - {"generator_base", "generator_adaptive"}
+    assert "lichess_generator" not in measure.deep_rules("Stockfish 17")
 
 
 def test_generator_mate_logic_by_hand():
