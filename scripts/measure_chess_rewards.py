@@ -285,6 +285,8 @@ def main() -> None:
     ap.add_argument("--unique-tuning", type=int, default=None, metavar="SEED",
                     help="uniqueness on a tuning sample instead: this seed, the measuring sample (--unique-seed, "
                          "the first 400 puzzles) excluded")
+    ap.add_argument("--unique-skip", type=int, default=0, metavar="K",
+                    help="skip the sample's first K puzzles (to finish a run that stopped at --unique-seconds)")
     ap.add_argument("--unique-only", choices=("mate", "not_mate"), default=None,
                     help="keep only the mate (or the non-mate) puzzles of the uniqueness sample")
     ap.add_argument("--nodes", type=int, default=100_000, help="Stockfish nodes per search (multipv 2)")
@@ -338,7 +340,7 @@ def main() -> None:
         return
 
     unique_sample = uniqueness_sample(puzzles, args.unique_puzzles, args.unique_seed, args.unique_tuning,
-                                      args.unique_only)
+                                      args.unique_only)[args.unique_skip:]
     limit = SearchLimit(nodes=args.nodes, time=10.0)
     with StockfishPool(size=1, limit=limit, path=args.stockfish, threads=1, hash_mb=16) as pool:
         settings["stockfish"] = f"{pool.path} ({pool.name})"
