@@ -578,19 +578,27 @@ def test_chess_puzzle_reward_lichess_rule_and_evaluation_label():
 
 @needs_stockfish
 def test_chess_puzzle_reward_converts_the_engines_cp_for_the_generator_rule(tmp_path):
-    from reward_models.chess.uniqueness import generator_units
+    from reward_models.chess.uniqueness import LICHESS_GENERATOR, generator_units
+
+    def renamed(name: str) -> str:  # the real engine behind a wrapper that reports another version
+        wrapper = tmp_path / name.replace(" ", "_")
+        wrapper.write_text(f"#!/bin/sh\n'{find_stockfish()}' \"$@\" | sed -u 's/^id name .*/id name {name}/'\n")
+        wrapper.chmod(0o755)
+        return str(wrapper)
 
     reward = build_reward("chess_puzzle", nodes=20_000, rule="lichess_generator")
     reward.judge([BACK_RANK_M1], [{}])
     name = reward.pool.name
     assert name.startswith("Stockfish ") and reward.check_kwargs["rule"].cp_scale == generator_units(name)
     reward.close()
+    # a version other than the rule's default (15.1) is converted by its own factor
+    reward = build_reward("chess_puzzle", nodes=20_000, rule="lichess_generator", stockfish=renamed("Stockfish 12"))
+    reward.judge([BACK_RANK_M1], [{}])
+    assert reward.check_kwargs["rule"].cp_scale == 1.0 != LICHESS_GENERATOR.cp_scale
+    reward.close()
     # an engine whose units are unknown is refused, at the first call and every later one (never judged
-    # silently on Stockfish 15.1's scale); the real engine behind a wrapper that renames it
-    wrapper = tmp_path / "stockfish17"
-    wrapper.write_text(f"#!/bin/sh\n'{find_stockfish()}' \"$@\" | sed -u 's/^id name .*/id name Stockfish 17/'\n")
-    wrapper.chmod(0o755)
-    reward = build_reward("chess_puzzle", nodes=20_000, rule="lichess_generator", stockfish=str(wrapper))
+    # silently on Stockfish 15.1's scale)
+    reward = build_reward("chess_puzzle", nodes=20_000, rule="lichess_generator", stockfish=renamed("Stockfish 17"))
     for _ in range(2):
         with pytest.raises(ValueError, match="Stockfish 17"):
             reward.judge([BACK_RANK_M1], [{}])
