@@ -123,6 +123,9 @@ class RewardConfig:
 class _GeneralTrainConfig:
     epochs: int = 60  # training epochs: sample → score → advantages → update
     max_minutes: Optional[float] = None  # also stop (evaluated and saved as usual) after this much training time
+    # also stop after this much training CPU time of this process (all its threads; evaluation excluded):
+    # a budget that another job on the machine does not shrink, for benchmarks on shared cores
+    max_cpu_minutes: Optional[float] = None
     groups_per_epoch: int = 8  # prompts per epoch per process
     group_size: int = 8  # samples per prompt
     sample_batch_size: int = 32  # rollout chunk
@@ -464,6 +467,7 @@ def check_values(config: RunConfig, where: str = "config") -> None:
         ("train.learning_rate", math.isfinite(t.learning_rate) and t.learning_rate >= 0,
          "must be a finite number ≥ 0"),
         ("train.max_nan_epochs", t.max_nan_epochs >= 0, "must be ≥ 0 (0 = never stop)"),
+        ("train.max_cpu_minutes", t.max_cpu_minutes is None or t.max_cpu_minutes > 0, "must be > 0 (or null)"),
         ("reward.timeout_s", config.reward.timeout_s is None or config.reward.timeout_s > 0,
          "must be > 0 seconds (or null: no deadline)"),
         ("train.group_size", t.group_size >= 2 or t.per_prompt_stats, "must be ≥ 2 for group advantages"),

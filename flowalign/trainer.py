@@ -151,8 +151,7 @@ class Trainer:
                 acc.log(stats, step=self.epoch)
                 nan_streak.observe(stats, self.epoch)  # a reward NaN for every sample, epoch after epoch: stop
                 bar.set_postfix(reward=f"{stats['reward/mean']:.3f}", clipfrac=f"{stats.get('train/clipfrac', 0):.2f}")
-                if cfg.train.max_minutes is not None and self.dist.any(self._train_seconds() / 60
-                                                                       >= cfg.train.max_minutes):
+                if self.dist.any(self._budget_spent()):
                     bar.close()
                     break
                 if cfg.eval.every and self.epoch % cfg.eval.every == 0 and self.epoch < cfg.train.epochs:
@@ -174,7 +173,7 @@ class Trainer:
 
     def train_epoch(self) -> dict:
         """sample → score → advantages → (hooks) → update → end-epoch."""
-        t0 = time.time()
+        t0, cpu0 = time.time(), time.process_time()
         warmup = self.config.train.warmup_epochs
         for group in self.optimizer.param_groups:  # linear warm-up, a pure function of the epoch
             group["lr"] = self.config.train.learning_rate * min(1.0, (self.epoch + 1) / (warmup + 1))
@@ -186,6 +185,7 @@ class Trainer:
         stats.update(self.update_policy(batch, advantages))
         stats.update(self.objective.end_epoch(batch, self.epoch))
         stats["time/epoch_s"] = time.time() - t0
+        stats["time/epoch_cpu_s"] = time.process_time() - cpu0
         stats["time/samples_per_s"] = len(batch.specs) * self.accelerator.num_processes / stats["time/epoch_s"]
         stats["lr"] = self.optimizer.param_groups[0]["lr"]
         return stats
@@ -254,8 +254,14 @@ class Trainer:
         """The held-out evaluation (flowalign/evaluator.py) with the evaluated weights (EMA if on)."""
         return self.evaluator.evaluate(label, self.epoch, self._train_seconds())
 
-    def _train_seconds(self) -> float:
-        return sum(h.get("time/epoch_s", 0.0) for h in self.history)
+    def _train_seconds(self, clock: str = "time/epoch_s") -> float:
+        return sum(h.get(clock, 0.0) for h in self.history)
+
+    def _budget_spent(self) -> bool:
+        """``train.max_minutes`` of wall-clock or ``train.max_cpu_minutes`` of this process's CPU time reached."""
+        t = self.config.train
+        return ((t.max_minutes is not None and self._train_seconds() / 60 >= t.max_minutes)
+                or (t.max_cpu_minutes is not None and self._train_seconds("time/epoch_cpu_s") / 60 >= t.max_cpu_minutes))
 
     def _stopped(self, signal_name: str, checkpoint: Path) -> dict:
         """The summary of a run stopped by a signal: no final eval, no ``final/`` (the run is not done)."""
