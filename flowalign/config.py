@@ -75,6 +75,9 @@ class SamplingConfig:
     fraction: float = 0.6  # step_mode fraction: the share of steps that are stochastic and trained
     window_size: int = 2  # step_mode window: consecutive stochastic, trained steps
     window_start: Optional[int] = None  # None: random per rollout batch
+    # [lo, hi]: a random window (window_start null) lies within steps lo..hi-1, Flow-GRPO's
+    # sde_window_range (its CFG-free GenEval recipe: [0, num_steps // 2], the noisiest half); null: anywhere
+    window_range: Optional[list[int]] = None
     # MixGRPO: > 0 slides the window window_stride steps later every window_shift_every epochs,
     # from window_start (or 0) on (flowalign.samplers.steps.sliding_window_start)
     window_shift_every: int = 0
@@ -488,6 +491,13 @@ def check_values(config: RunConfig, where: str = "config") -> None:
          "needs model.prompt_cache_size > 0 (without a cache every step would move the encoders)"),
         ("sampling.window_shift_every", s.window_shift_every >= 0, "must be ≥ 0 (0 = no sliding window)"),
         ("sampling.window_stride", s.window_stride >= 1, "must be ≥ 1"),
+        ("sampling.window_range", s.window_range is None or (
+            len(s.window_range) == 2 and 0 <= s.window_range[0]
+            and s.window_range[0] + s.window_size <= s.window_range[1] <= s.num_steps - 1),
+         f"must be [lo, hi] with 0 ≤ lo, lo + window_size ≤ hi ≤ num_steps − 1 = {s.num_steps - 1}"),
+        ("sampling.window_range", s.window_range is None or (s.step_mode == "window" and s.window_start is None
+                                                             and not s.window_shift_every),
+         "places a random window: needs step_mode window, no window_start and no sliding window"),
         ("train.keep_extremes", t.keep_extremes >= 0 and 2 * t.keep_extremes <= t.group_size,
          "must be between 0 and group_size / 2"),
         ("train.per_reward_advantages", not (t.per_reward_advantages and t.per_prompt_stats),

@@ -118,7 +118,8 @@ class EpochSampler:
             window_start = sliding_window_start(epoch, s.num_steps, s.window_size, s.window_shift_every,
                                                 s.window_stride, s.window_start or 0)
         plan = plan_steps(s.num_steps, groups * t.group_size, s.eta, s.step_mode, fraction=s.fraction,
-                          window_size=s.window_size, window_start=window_start, generator=self.dist.plan_generator)
+                          window_size=s.window_size, window_start=window_start, generator=self.dist.plan_generator,
+                          window_range=None if s.window_range is None else tuple(s.window_range))
 
         def flow(cond, noise, sl, streams):
             scale = self.noise_scale(cond[sl]) if self.noise_scale is not None else None

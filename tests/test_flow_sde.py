@@ -95,3 +95,31 @@ def test_sliding_window_moves_later_every_shift_and_stops_at_the_end():
         plan_steps(10, 1, 1.0, "window", window_size=2, window_start=start)
     with pytest.raises(ValueError, match="shift_every"):
         sliding_window_start(0, 10, 2, shift_every=0)
+
+
+def test_window_range_places_the_random_window_inside_it_like_flow_grpo_fast():
+    """Flow-GRPO's sde_window_range (0, num_steps // 2) with window 3 on 10 steps: starts 0, 1 or 2
+    only, each reached; without a range the same draws reach every start up to 9 − 3 = 6."""
+    g = torch.Generator().manual_seed(0)
+    starts = {int(plan_steps(10, 1, 1.0, "window", window_size=3, window_range=(0, 5), generator=g)
+                  .noise_levels.nonzero()[0]) for _ in range(60)}
+    assert starts == {0, 1, 2}
+    g = torch.Generator().manual_seed(0)
+    anywhere = {int(plan_steps(10, 1, 1.0, "window", window_size=3, generator=g).noise_levels.nonzero()[0])
+                for _ in range(200)}
+    assert anywhere == set(range(7))
+    with pytest.raises(ValueError, match="window_range"):
+        plan_steps(10, 1, 1.0, "window", window_size=3, window_range=(0, 2))
+
+
+def test_window_range_is_refused_where_it_would_be_ignored(tmp_path):
+    from flowalign.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="sampling.window_range"):
+        load_config("configs/shapes_flow_grpo.yaml", ["sampling.window_range=[0,5]"])  # step_mode all
+    with pytest.raises(ConfigError, match="sampling.window_range"):
+        load_config("configs/shapes_flow_grpo.yaml", ["sampling.step_mode=window", "sampling.window_size=3",
+                                                      "sampling.window_range=[0,12]"])
+    cfg = load_config("configs/shapes_flow_grpo.yaml", ["sampling.step_mode=window", "sampling.window_size=3",
+                                                        "sampling.window_range=[0,5]"])
+    assert cfg.sampling.window_range == [0, 5]

@@ -7,7 +7,9 @@ Modes (``../shared/METHODS.md`` §1, "Windows and subsets"):
   them, drawn independently per sample (DanceGRPO, 0.6);
 * ``"window"``: only ``window_size`` consecutive steps are SDE and trained, the rest is ODE
   (Flow-GRPO-Fast / MixGRPO); the window starts at ``window_start`` or, when that is None, at a
-  random step drawn once per rollout batch. ``sliding_window_start`` gives MixGRPO's schedule:
+  random step drawn once per rollout batch, so that the window lies inside ``window_range``
+  [lo, hi) (Flow-GRPO's ``sde_window_range``, e.g. (0, num_steps // 2): the noisiest half; None:
+  anywhere before the last step). ``sliding_window_start`` gives MixGRPO's schedule:
   the window begins at the first (noisiest) steps and moves ``stride`` steps later every
   ``shift_every`` epochs, then stays at the end.
 
@@ -38,6 +40,7 @@ def plan_steps(
     fraction: float = 0.6,
     window_size: int = 2,
     window_start: int | None = None,
+    window_range: tuple[int, int] | None = None,
     generator: torch.Generator | None = None,
 ) -> StepPlan:
     """Noise level per step and the trained-step mask for one rollout batch of ``batch`` samples."""
@@ -51,7 +54,11 @@ def plan_steps(
         if not 1 <= window_size <= last:
             raise ValueError(f"window_size must be in [1, {last}] for {num_steps} steps, got {window_size}")
         if window_start is None:
-            window_start = int(torch.randint(0, last - window_size + 1, (1,), generator=generator))
+            lo, hi = (0, last) if window_range is None else window_range
+            if not (0 <= lo and lo + window_size <= hi <= last):
+                raise ValueError(f"window_range must satisfy 0 ≤ lo, lo + window_size ≤ hi ≤ {last}, "
+                                 f"got {list(window_range)} with window_size {window_size}")
+            window_start = int(torch.randint(lo, hi - window_size + 1, (1,), generator=generator))
         if not 0 <= window_start <= last - window_size:
             raise ValueError(f"window_start must be in [0, {last - window_size}], got {window_start}")
         stochastic[window_start : window_start + window_size] = True
