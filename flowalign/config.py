@@ -147,7 +147,8 @@ class _GeneralTrainConfig:
     warmup_epochs: int = 0  # epochs of linear learning-rate warm-up
     clip_range: float = 1e-4  # PPO-style clip of the likelihood ratio: |ratio − 1| ≤ clip_range
     # CFG in the training forward (guidance_scale > 1): no gradient through the unconditional branch, as
-    # Flow-GRPO's original train_sd3.py (its later scripts and ours by default train both branches)
+    # Flow-GRPO's original train_sd3.py (its later scripts and ours by default train both branches); that
+    # branch then runs as its own forward without a graph: a cheaper step (docs/performance.md)
     detach_uncond: bool = False
     kl_beta: float = 0.0  # weight of the KL to the reference (untrained) policy; 0 = off
     advantage_clip: float = 5.0  # advantages clipped to ±advantage_clip

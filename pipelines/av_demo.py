@@ -336,14 +336,17 @@ class AVDemoAdapter(DenoiserAdapter):
         """Velocity [B, D] at joint latents x [B, D], timestep t (scalar or [B]); CFG when g > 1.
         Video-first: t = 1000·τ and the velocity is dx/dτ (the waiting stream's is 0)."""
         model = self.denoiser if model is None else model
-        x, tensors = self.guidance_inputs(x, cond, guidance_scale)
-        t = self.batch_timesteps(t, x.shape[0])
-        if self.sampling_order == "video_first":
-            v = self.pipe.video_first_velocity(x.to(self.model.dtype), t / 1000, tensors["text"], tensors["pooled"],
-                                               model=model)
-        else:
-            v = self.pipe.velocity(x.to(self.model.dtype), t, tensors["text"], tensors["pooled"], model=model)
-        return self.guide(v.float(), guidance_scale)
+
+        def forward(x, tensors):
+            tt = self.batch_timesteps(t, x.shape[0])
+            if self.sampling_order == "video_first":
+                v = self.pipe.video_first_velocity(x.to(self.model.dtype), tt / 1000, tensors["text"],
+                                                   tensors["pooled"], model=model)
+            else:
+                v = self.pipe.velocity(x.to(self.model.dtype), tt, tensors["text"], tensors["pooled"], model=model)
+            return v.float()
+
+        return self.guided(forward, x, cond, guidance_scale)
 
     def forward_noised(self, x0: torch.Tensor, noise: torch.Tensor,
                        sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

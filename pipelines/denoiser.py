@@ -103,7 +103,8 @@ class DenoiserAdapter:
     lora_targets: tuple[str, ...]
     negative_prompt: str = ""  # CFG's negative branch (families with a ``negative_prompt`` option set their own)
     # train.detach_uncond (set by the trainer): CFG's unconditional branch carries no gradient. The
-    # values are the same either way; only the training gradient differs (uncond_branch)
+    # values are the same either way (up to float rounding where it runs on its own: splits_uncond);
+    # only the training gradient differs (uncond_branch)
     detach_uncond: bool = False
     detach_uncond_supported: bool = True  # False where the family's CFG does not go through uncond_branch
 
@@ -207,16 +208,46 @@ class DenoiserAdapter:
             self._negative = self.encode([self.negative_prompt])
         return self._negative
 
+    def negative_tensors(self, cond: Conditioning) -> dict[str, torch.Tensor]:
+        """The unconditional branch's conditioning tensors for the B samples of ``cond`` [B, ...]:
+        ``negative()``'s, expanded; a tensor it lacks (a conditioning image) is the sample's own."""
+        negative = self.negative().tensors
+        return {k: negative[k].expand(len(v), *v.shape[1:]) if k in negative else v for k, v in cond.tensors.items()}
+
     def guidance_inputs(self, x: torch.Tensor, cond: Conditioning, guidance_scale: float):
         """(x, conditioning tensors) for the denoiser: with CFG (guidance_scale > 1) both doubled to
         [2B, ...] as [unconditional, conditional], the pipelines' order; a conditioning image's tensors
         (absent from ``negative()``) are the same in both halves."""
         if guidance_scale <= 1.0:
             return x, cond.tensors
-        negative = self.negative().tensors  # a tensor it lacks (a conditioning image) is shared by both halves
-        tensors = {k: torch.cat([negative[k].expand(len(v), *v.shape[1:]) if k in negative else v, v])
-                   for k, v in cond.tensors.items()}
-        return torch.cat([x, x]), tensors
+        negative = self.negative_tensors(cond)
+        return torch.cat([x, x]), {k: torch.cat([negative[k], v]) for k, v in cond.tensors.items()}
+
+    def splits_uncond(self) -> bool:
+        """True when CFG's unconditional branch runs as its own forward pass without a graph: under
+        ``detach_uncond`` while gradients are recorded (a training forward). It carries no gradient
+        then, so recording it would only cost its activations and its share of the backward pass."""
+        return self.detach_uncond and torch.is_grad_enabled()
+
+    def guided(self, forward, x: torch.Tensor, cond: Conditioning, guidance_scale: float, combine=None):
+        """CFG around one denoiser call ``forward(x, tensors) → output [n, ...]`` (x [n, ...], tensors
+        the conditioning tensors of its n rows): the guided output [B, ...], or ``forward(x, cond)``
+        without CFG. ``combine(uncond, text)``: the guidance rule, by default uncond + g·(text − uncond).
+        The two branches run as one batch of 2B rows, as the pipelines run them; under
+        ``splits_uncond()`` the unconditional one runs on its own under ``torch.no_grad()`` (the same
+        values up to float rounding, the same gradient as detaching it from the batched call)."""
+        if guidance_scale <= 1.0:
+            return forward(x, cond.tensors)
+        if combine is None:
+            def combine(uncond, text):
+                return uncond + guidance_scale * (text - uncond)
+        if self.splits_uncond():
+            with torch.no_grad():
+                uncond = forward(x, self.negative_tensors(cond))
+            return combine(uncond, forward(x, cond.tensors))
+        x, tensors = self.guidance_inputs(x, cond, guidance_scale)
+        uncond, text = forward(x, tensors).chunk(2)
+        return combine(self.uncond_branch(uncond), text)
 
     def batch_timesteps(self, t, batch: int) -> torch.Tensor:
         """t (scalar, or [B] per sample) as [batch] on the adapter's device; a per-sample t is
@@ -231,14 +262,6 @@ class DenoiserAdapter:
         ``detach_uncond`` (Flow-GRPO's original train_sd3.py), so that with g the guided gradient is
         g·∇cond instead of (1 − g)·∇uncond + g·∇cond."""
         return uncond.detach() if self.detach_uncond else uncond
-
-    def guide(self, output: torch.Tensor, guidance_scale: float) -> torch.Tensor:
-        """[2B, ...] → uncond + g·(cond − uncond) [B, ...]; unchanged without CFG."""
-        if guidance_scale <= 1.0:
-            return output
-        uncond, text = output.chunk(2)
-        uncond = self.uncond_branch(uncond)
-        return uncond + guidance_scale * (text - uncond)
 
     # -- decoding ------------------------------------------------------------------------
     def vae_latents(self, x0: torch.Tensor) -> torch.Tensor:

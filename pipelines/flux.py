@@ -92,18 +92,21 @@ class FluxAdapter(DenoiserAdapter):
                              "guidance create the adapter with true_cfg_scale=")
         model = self.denoiser if model is None else model
         dtype = self.model.dtype
-        x, tensors = self.guidance_inputs(x, cond, self.true_cfg_scale)
-        n, c, h, w = x.shape
-        guidance = (torch.full((n,), guidance_scale, device=self.device, dtype=torch.float32)
-                    if self.guidance_embeds else None)
-        tokens = self.pipe._pack_latents(x.to(dtype), n, c, h, w)
-        ids = self.pipe._prepare_latent_image_ids(n, h // 2, w // 2, self.device, dtype)
-        if "image_latents" in tensors:  # FLUX.1-Kontext: the packed conditioning image after the latent tokens
-            tokens = torch.cat([tokens, tensors["image_latents"].to(dtype)], dim=1)
-            ids = torch.cat([ids, ids.clone().index_fill_(1, torch.tensor([0], device=self.device), 1)])
-        v = model(hidden_states=tokens, timestep=self.batch_timesteps(t, n).to(dtype) / 1000, guidance=guidance,
-                  pooled_projections=tensors["pooled"].to(dtype), encoder_hidden_states=tensors["embeds"].to(dtype),
-                  txt_ids=torch.zeros(tensors["embeds"].shape[1], 3, device=self.device, dtype=dtype),
-                  img_ids=ids, return_dict=False)[0]
-        v = self.pipe._unpack_latents(v[:, :(h // 2) * (w // 2)], self.height, self.width, self.pipe.vae_scale_factor)
-        return self.guide(v, self.true_cfg_scale)
+
+        def forward(x, tensors):
+            n, c, h, w = x.shape
+            guidance = (torch.full((n,), guidance_scale, device=self.device, dtype=torch.float32)
+                        if self.guidance_embeds else None)
+            tokens = self.pipe._pack_latents(x.to(dtype), n, c, h, w)
+            ids = self.pipe._prepare_latent_image_ids(n, h // 2, w // 2, self.device, dtype)
+            if "image_latents" in tensors:  # FLUX.1-Kontext: the packed conditioning image after the latent tokens
+                tokens = torch.cat([tokens, tensors["image_latents"].to(dtype)], dim=1)
+                ids = torch.cat([ids, ids.clone().index_fill_(1, torch.tensor([0], device=self.device), 1)])
+            v = model(hidden_states=tokens, timestep=self.batch_timesteps(t, n).to(dtype) / 1000, guidance=guidance,
+                      pooled_projections=tensors["pooled"].to(dtype), encoder_hidden_states=tensors["embeds"].to(dtype),
+                      txt_ids=torch.zeros(tensors["embeds"].shape[1], 3, device=self.device, dtype=dtype),
+                      img_ids=ids, return_dict=False)[0]
+            return self.pipe._unpack_latents(v[:, :(h // 2) * (w // 2)], self.height, self.width,
+                                             self.pipe.vae_scale_factor)
+
+        return self.guided(forward, x, cond, self.true_cfg_scale)

@@ -92,14 +92,17 @@ class Flux2KleinAdapter(DenoiserAdapter):
                              f"guidance_scale must be 1.0, got {guidance_scale}")
         model = self.denoiser if model is None else model
         dtype = self.model.dtype
-        x, tensors = self.guidance_inputs(x, cond, guidance_scale)
-        n, c, h, w = x.shape
-        embeds = tensors["embeds"].to(dtype)
-        v = model(hidden_states=self.pipe._pack_latents(x).to(dtype),
-                  timestep=self.batch_timesteps(t, n).to(dtype) / 1000, guidance=None, encoder_hidden_states=embeds,
-                  txt_ids=self.pipe._prepare_text_ids(embeds).to(self.device),
-                  img_ids=self.pipe._prepare_latent_ids(x).to(self.device), return_dict=False)[0]
-        return self.guide(v.permute(0, 2, 1).reshape(n, c, h, w), guidance_scale)
+
+        def forward(x, tensors):
+            n, c, h, w = x.shape
+            embeds = tensors["embeds"].to(dtype)
+            v = model(hidden_states=self.pipe._pack_latents(x).to(dtype),
+                      timestep=self.batch_timesteps(t, n).to(dtype) / 1000, guidance=None,
+                      encoder_hidden_states=embeds, txt_ids=self.pipe._prepare_text_ids(embeds).to(self.device),
+                      img_ids=self.pipe._prepare_latent_ids(x).to(self.device), return_dict=False)[0]
+            return v.permute(0, 2, 1).reshape(n, c, h, w)
+
+        return self.guided(forward, x, cond, guidance_scale)
 
     # -- decoding ------------------------------------------------------------------------
     def vae_latents(self, x0: torch.Tensor) -> torch.Tensor:

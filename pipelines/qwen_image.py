@@ -22,6 +22,7 @@ Timesteps: the schedule's are the scheduler's 1000·σ; the transformer takes σ
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -93,7 +94,8 @@ class QwenImageAdapter(DenoiserAdapter):
         v = self._forward(model, packed, t, tensors["embeds"], tensors["mask"], tensors, (h, w))
         if guidance_scale > 1.0:
             embeds, mask = self.negative_tokens(cond)
-            negative = self.uncond_branch(self._forward(model, packed, t, embeds, mask, tensors, (h, w)))
+            with torch.no_grad() if self.splits_uncond() else contextlib.nullcontext():
+                negative = self.uncond_branch(self._forward(model, packed, t, embeds, mask, tensors, (h, w)))
             v = norm_rescaled_cfg(v, negative, guidance_scale)
         return self.pipe._unpack_latents(v, self.height, self.width, self.pipe.vae_scale_factor).squeeze(2)
 

@@ -87,8 +87,10 @@ class SD3Adapter(DenoiserAdapter):
         """Velocity [B, C, h, w] at timestep t (scalar or [B]); CFG when guidance_scale > 1."""
         model = self.denoiser if model is None else model
         dtype = self.model.dtype
-        x, tensors = self.guidance_inputs(x, cond, guidance_scale)
-        t = self.batch_timesteps(t, x.shape[0])
-        v = model(hidden_states=x.to(dtype), timestep=t, encoder_hidden_states=tensors["embeds"].to(dtype),
-                  pooled_projections=tensors["pooled"].to(dtype), return_dict=False)[0]
-        return self.guide(v, guidance_scale)
+
+        def forward(x, tensors):
+            return model(hidden_states=x.to(dtype), timestep=self.batch_timesteps(t, len(x)),
+                         encoder_hidden_states=tensors["embeds"].to(dtype),
+                         pooled_projections=tensors["pooled"].to(dtype), return_dict=False)[0]
+
+        return self.guided(forward, x, cond, guidance_scale)

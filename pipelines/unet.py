@@ -96,9 +96,11 @@ class UNetAdapter(DenoiserAdapter):
         [B]); CFG when guidance_scale > 1."""
         model = self.denoiser if model is None else model
         dtype = self.model.dtype
-        x, tensors = self.guidance_inputs(x, cond, guidance_scale)
-        t = self.batch_timesteps(t, x.shape[0])
-        added = {name: tensors[key].to(dtype) for key, name in self.added_conditions.items()}
-        out = model(x.to(dtype), t, encoder_hidden_states=tensors["embeds"].to(dtype),
-                    added_cond_kwargs=added or None, return_dict=False)[0]
-        return self.guide(out, guidance_scale)
+
+        def forward(x, tensors):
+            added = {name: tensors[key].to(dtype) for key, name in self.added_conditions.items()}
+            return model(x.to(dtype), self.batch_timesteps(t, len(x)),
+                         encoder_hidden_states=tensors["embeds"].to(dtype), added_cond_kwargs=added or None,
+                         return_dict=False)[0]
+
+        return self.guided(forward, x, cond, guidance_scale)

@@ -163,27 +163,31 @@ class WanAdapter(DenoiserAdapter):
         experts: guidance_scale_2 on the low-noise samples)."""
         model = self.denoiser if model is None else model
         dtype = self.model.dtype
-        n = len(x)
-        x, tensors = self.guidance_inputs(x, cond, guidance_scale)
-        t = self.batch_timesteps(t, x.shape[0])
-        inputs = self.model_inputs(x.to(dtype), {k: v.to(dtype) for k, v in tensors.items()})
-        if self.boundary is None:
-            v = model(timestep=self.token_timesteps(t, x), return_dict=False, **inputs)[0]
-            return self.guide(v, guidance_scale)
-        high = t >= self.boundary
-        v = torch.empty_like(x, dtype=dtype)
-        for expert, rows in ((0, high), (1, ~high)):
-            if rows.all():  # the whole batch at once (a rollout step): the pipeline's numbers
-                v = model(expert=expert, timestep=self.token_timesteps(t, x), return_dict=False, **inputs)[0]
-            elif rows.any():
-                v[rows] = model(expert=expert, timestep=self.token_timesteps(t[rows], x[rows]), return_dict=False,
-                                **{k: val[rows] for k, val in inputs.items()})[0]
-        if guidance_scale <= 1.0:
+
+        def forward(x, tensors):
+            tt = self.batch_timesteps(t, x.shape[0])
+            inputs = self.model_inputs(x.to(dtype), {k: v.to(dtype) for k, v in tensors.items()})
+            if self.boundary is None:
+                return model(timestep=self.token_timesteps(tt, x), return_dict=False, **inputs)[0]
+            high = tt >= self.boundary
+            v = torch.empty_like(x, dtype=dtype)
+            for expert, rows in ((0, high), (1, ~high)):
+                if rows.all():  # the whole batch at once (a rollout step): the pipeline's numbers
+                    v = model(expert=expert, timestep=self.token_timesteps(tt, x), return_dict=False, **inputs)[0]
+                elif rows.any():
+                    v[rows] = model(expert=expert, timestep=self.token_timesteps(tt[rows], x[rows]),
+                                    return_dict=False, **{k: val[rows] for k, val in inputs.items()})[0]
             return v
-        low_scale = guidance_scale if self.guidance_scale_2 is None else self.guidance_scale_2
-        scale = torch.where(high[n:], guidance_scale, low_scale).view(-1, 1, 1, 1, 1).to(v)
-        uncond, text = v.chunk(2)
-        return uncond + scale * (text - uncond)
+
+        def combine(uncond, text):
+            if self.boundary is None:
+                return uncond + guidance_scale * (text - uncond)
+            low_scale = guidance_scale if self.guidance_scale_2 is None else self.guidance_scale_2
+            high = self.batch_timesteps(t, len(text)) >= self.boundary
+            scale = torch.where(high, guidance_scale, low_scale).view(-1, 1, 1, 1, 1).to(text)
+            return uncond + scale * (text - uncond)
+
+        return self.guided(forward, x, cond, guidance_scale, combine)
 
     def model_inputs(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The transformer's tensor inputs for latents x [B, C, F, h, w] (every one batch-first)."""

@@ -86,18 +86,25 @@ class ZImageAdapter(DenoiserAdapter):
         scale = torch.full((n,), float(guidance_scale), device=self.device)
         if self.cfg_truncation <= 1:
             scale = torch.where(reversed_time > self.cfg_truncation, torch.zeros_like(scale), scale)
-        guided = bool((scale > 0).any())
-        tensors = cond.tensors
-        if guided:  # [cond, neg], the pipeline's order
-            negative = self.negative().tensors
-            tensors = {k: torch.cat([v, negative[k].expand(n, *v.shape[1:])]) for k, v in tensors.items()}
-        inputs = x.to(self.model.dtype).repeat(2 if guided else 1, 1, 1, 1).unsqueeze(2)
+        if not bool((scale > 0).any()):
+            return -self._forward(model, x, reversed_time, cond.tensors)
+        if self.splits_uncond():  # the negative branch on its own, without a graph (DenoiserAdapter.guided)
+            out = self._forward(model, x, reversed_time, cond.tensors)
+            with torch.no_grad():
+                neg = self._forward(model, x, reversed_time, self.negative_tensors(cond))
+            return -self._guide(out, neg, scale)
+        negative = self.negative_tensors(cond)  # [cond, neg], the pipeline's order
+        tensors = {k: torch.cat([v, negative[k]]) for k, v in cond.tensors.items()}
+        out = self._forward(model, torch.cat([x, x]), reversed_time.repeat(2), tensors)
+        return -self._guide(out[:n], out[n:], scale)
+
+    def _forward(self, model: nn.Module, x: torch.Tensor, reversed_time: torch.Tensor,
+                 tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One transformer pass over latents x [N, C, h, w] at reversed times [N] → its output [N, C, h, w]."""
+        inputs = x.to(self.model.dtype).unsqueeze(2)
         captions = [e[m.bool()].to(self.model.dtype) for e, m in zip(tensors["embeds"], tensors["mask"])]
-        out = model(list(inputs.unbind(0)), reversed_time.repeat(2 if guided else 1), captions, return_dict=False)[0]
-        out = torch.stack([o.float() for o in out]).squeeze(2)
-        if guided:
-            out = self._guide(out[:n], out[n:], scale)
-        return -out
+        out = model(list(inputs.unbind(0)), reversed_time, captions, return_dict=False)[0]
+        return torch.stack([o.float() for o in out]).squeeze(2)
 
     def _guide(self, pos: torch.Tensor, neg: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """pos + g·(pos − neg) per sample [B, C, h, w] (g = 0: pos), each capped at cfg_normalization × |pos|."""

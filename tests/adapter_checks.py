@@ -59,8 +59,8 @@ def _lora_gradient(adapter, x, t, cond, guidance):
     for p in params:
         p.grad = None
     out = adapter.predict(x, t, cond, guidance)
-    out.pow(2).sum().backward()
-    return out.detach(), torch.cat([p.grad.flatten() for p in params])
+    out.pow(2).sum().backward()  # a LoRA weight the output does not depend on (a last block's text stream): 0
+    return out.detach(), torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in params])
 
 
 def assert_detach_uncond_trains_only_the_conditional_branch(adapter, x, t, cond, guidance: float,
@@ -76,7 +76,7 @@ def assert_detach_uncond_trains_only_the_conditional_branch(adapter, x, t, cond,
     adapter.detach_uncond = True
     detached, grad_detached = _lora_gradient(adapter, x, t, cond, guidance)
     adapter.detach_uncond = False
-    assert torch.equal(both, detached)  # the same prediction: only the gradient differs
+    assert torch.allclose(both, detached, rtol=1e-5, atol=1e-6)  # the same prediction: only the gradient differs
     params = [p for p in adapter.model.parameters() if p.requires_grad]
     for p in params:
         p.grad = None
@@ -86,6 +86,38 @@ def assert_detach_uncond_trains_only_the_conditional_branch(adapter, x, t, cond,
     expected = torch.cat([p.grad.flatten() for p in params])
     assert (grad_detached - expected).norm() <= 1e-4 * expected.norm()  # float32 sums in another order
     assert (grad_both - grad_detached).norm() > 1e-3 * grad_both.norm()
+
+
+def assert_split_uncond_matches_the_detached_batch(adapter, x, t, cond, guidance: float) -> None:
+    """``train.detach_uncond`` with gradients on runs CFG's unconditional branch as its own forward
+    under no_grad (``DenoiserAdapter.splits_uncond``): the same prediction and the same LoRA gradient
+    (float tolerance) as the batched call of both branches with the unconditional half detached
+    (Flow-GRPO's train_sd3.py form), and the denoiser records a graph for the conditional rows only."""
+    calls = []  # (gradient recorded, rows) of each denoiser call
+
+    def record(module, args, kwargs):
+        calls.append((torch.is_grad_enabled(), len(kwargs.get("hidden_states", args[0] if args else None))))
+
+    hook = adapter.model.register_forward_pre_hook(record, with_kwargs=True)
+    adapter.detach_uncond = True
+    try:
+        split, grad_split = _lora_gradient(adapter, x, t, cond, guidance)
+        split_calls, calls[:] = list(calls), []
+        adapter.splits_uncond = lambda: False  # the batched call, its unconditional half detached afterwards
+        batched, grad_batched = _lora_gradient(adapter, x, t, cond, guidance)
+    finally:
+        hook.remove()
+        vars(adapter).pop("splits_uncond", None)
+        adapter.detach_uncond = False
+    def rows(recorded, grad):
+        return sum(n for g, n in recorded if g == grad)
+
+    n = len(x)
+    assert (rows(split_calls, True), rows(split_calls, False)) == (n, n)
+    assert (rows(calls, True), rows(calls, False)) == (2 * n, 0)
+    assert (split - batched).abs().max() <= 1e-5 * batched.abs().max()
+    assert (grad_split - grad_batched).norm() <= 1e-4 * grad_batched.norm()
+    assert grad_batched.norm() > 0
 
 
 def train_once(config):

@@ -4,7 +4,7 @@ decoded shapes, clear errors."""
 
 import pytest
 import torch
-from adapter_checks import reference_predictions, rescored_gradients
+from adapter_checks import assert_split_uncond_matches_the_detached_batch, reference_predictions, rescored_gradients
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, WanPipeline
 
 from flowalign.rollout import rollout
@@ -114,6 +114,17 @@ def test_flux_true_cfg_reproduces_the_pipeline(tiny_folder, variant):
     assert (got - expected).abs().max().item() <= 1e-5
     plain = _pipeline_output(_pipeline(tiny), tiny, guidance, seed=1)
     assert (got - plain).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("variant", ["flux-schnell", "wan"])
+def test_detach_uncond_runs_the_negative_branch_on_its_own(tiny_folder, variant):
+    tiny = variant, tiny_folder(variant)
+    adapter = _adapter(tiny, true_cfg_scale=2.5, negative_prompt="") if variant.startswith("flux") else _adapter(tiny)
+    adapter.add_lora(rank=4)
+    _perturb(adapter.model)
+    x = adapter.initial_noise(2, torch.Generator().manual_seed(0))
+    cond = adapter.encode(["a red circle", "two blue squares"])
+    assert_split_uncond_matches_the_detached_batch(adapter, x, torch.tensor(700.0), cond, max(VARIANTS[variant][3], 1.0))
 
 
 def test_rescoring_a_sampled_step_gives_ratio_exactly_one(tiny):

@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from adapter_checks import assert_detach_uncond_trains_only_the_conditional_branch
+from adapter_checks import (assert_detach_uncond_trains_only_the_conditional_branch,
+                            assert_split_uncond_matches_the_detached_batch)
 
 from flowalign.config import ConfigError, load_config
 from flowalign.objectives.flow_grpo import FlowGRPO, flow_grpo_loss, kl_std, nonzero_advantage
@@ -107,6 +108,18 @@ def test_detach_uncond_leaves_only_the_conditional_branchs_gradient(tiny_adapter
     cond = a.encode(["a red circle", "a blue square"])
     x = a.initial_noise(2, torch.Generator().manual_seed(0))
     assert_detach_uncond_trains_only_the_conditional_branch(a, x, torch.tensor(500.0), cond, 4.5)
+
+
+def test_detach_uncond_runs_the_unconditional_branch_on_its_own_without_a_graph(tiny_adapter):
+    a = tiny_adapter
+    a.add_lora(rank=4)
+    with torch.no_grad():
+        for name, p in a.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+    cond = a.encode(["a red circle", "a blue square", "a green triangle"])
+    x = a.initial_noise(3, torch.Generator().manual_seed(0))
+    assert_split_uncond_matches_the_detached_batch(a, x, torch.tensor([900.0, 500.0, 100.0]), cond, 4.5)
 
 
 # -- DanceGRPO's step without the score term, x̂0, and σ' = 0 ---------------------------------------

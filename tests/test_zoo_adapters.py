@@ -7,7 +7,7 @@ from typing import Callable
 
 import pytest
 import torch
-from adapter_checks import reference_predictions, rescored_gradients
+from adapter_checks import assert_split_uncond_matches_the_detached_batch, reference_predictions, rescored_gradients
 
 from flowalign.rollout import rollout
 from flowalign.samplers.steps import plan_steps
@@ -158,6 +158,18 @@ def test_rescoring_a_sampled_step_gives_ratio_exactly_one(tiny):
     assert (traj.log_probs[:, :-1] != 0).all()
     grads = rescored_gradients(adapter, traj, STEPS - 1, variant.guidance)
     assert any(g is not None and g.abs().sum() > 0 for g in grads.values())
+
+
+def test_detach_uncond_runs_the_negative_branch_on_its_own(tiny):
+    variant, _ = tiny
+    if variant.guidance in (0.0, 1.0):
+        pytest.skip("the variant samples without CFG")
+    adapter = _adapter(tiny)
+    adapter.add_lora(rank=4)
+    _perturb(adapter.model)
+    x = adapter.initial_noise(len(PROMPTS), torch.Generator().manual_seed(0))
+    t = adapter.schedule(STEPS).timesteps[-1]  # late: z_image_cfg_options guides only there
+    assert_split_uncond_matches_the_detached_batch(adapter, x, t, adapter.encode(PROMPTS), variant.guidance)
 
 
 def test_saved_lora_loads_in_plain_diffusers(tiny, tmp_path):
