@@ -144,6 +144,10 @@ class _GeneralTrainConfig:
     # CUDA only: float32 matmuls and convolutions in TF32 (torch.backends.cuda.matmul / cudnn allow_tf32),
     # faster on Ampere and later with a 10-bit mantissa; on CPU a no-op with a log line
     allow_tf32: bool = False
+    # torch.compile of each denoiser (nn.Module.compile: in place, so weights and checkpoints keep their
+    # names), for training and rollouts alike; the numbers match eager within float tolerance, not to the
+    # last digit; the first steps pay the compilation (docs/performance.md: what it gives on CPU)
+    compile: bool = False
     warmup_epochs: int = 0  # epochs of linear learning-rate warm-up
     clip_range: float = 1e-4  # PPO-style clip of the likelihood ratio: |ratio − 1| ≤ clip_range
     # CFG in the training forward (guidance_scale > 1): no gradient through the unconditional branch, as

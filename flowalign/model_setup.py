@@ -63,7 +63,18 @@ def build_model(config: RunConfig, accelerator, objective_cls, adapter=None) -> 
     params = [p for p in adapter.trainable().parameters() if p.requires_grad]
     optimizer = make_optimizer(params, t)
     model, optimizer = accelerator.prepare(adapter.trainable(), optimizer)
+    if t.compile:
+        compile_denoisers(adapter)
     return TrainedModel(adapter, encode, params, model, optimizer)
+
+
+def compile_denoisers(adapter) -> None:
+    """``train.compile``: each denoiser's forward compiled in place (``nn.Module.compile``), so that the
+    rollouts, the training forward (through any wrapper) and the reference policy all run it, and the
+    state dict keeps its keys. Compiled once per input shape and LoRA state (guards), then reused."""
+    denoisers = adapter.denoisers() if hasattr(adapter, "denoisers") else {"model": adapter.model}
+    for module in denoisers.values():
+        module.compile()
 
 
 # -- the optimizer and TF32 -------------------------------------------------------------------

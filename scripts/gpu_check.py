@@ -18,6 +18,8 @@ a run killed half-way keeps what it measured):
                     tiny FLUX model, whose attention goes through the dispatcher; each with the
                     processors actually in use, so a fallback to sdpa is visible
   checkpointing     gradient checkpointing off / on (the demo, bf16): time, peak memory
+  compile           train.compile off / on (the demo, bf16): time of a step after the compiling one,
+                    peak memory, every statistic finite (the CPU subset skips it)
   launch            a 1-process FSDP and a 1-process DeepSpeed ZeRO-2 launch (configs/accelerate/, with
                     num_processes: 1): 2 epochs with a checkpoint each, then resumed to epoch 3
   rollout_overhead  our rollout with log-probs ÷ the plain diffusers pipeline, same weights, steps,
@@ -204,6 +206,16 @@ def checkpointing(root: Path, paths: dict, cuda: bool) -> dict:
                            f"{model}/on": (root, [*base, "model.gradient_checkpointing=true"])}, train_step)}
 
 
+def compiled(root: Path, paths: dict, cuda: bool) -> dict:
+    """``train.compile`` off and on, one measured step each after a warm-up step (which pays the
+    compilation); the CPU subset skips it (inductor's C++ builds take minutes there; docs/performance.md)."""
+    if not cuda:
+        return {"skipped": "the CPU subset does not compile (docs/performance.md measures train.compile on CPU)"}
+    base = [*model_overrides("demo", paths), *PRECISION["bf16"]]
+    return {"cases": each({"demo/eager": (root, [*base, "train.compile=false"]),
+                           "demo/compiled": (root, [*base, "train.compile=true"])}, train_step)}
+
+
 # -- launches ----------------------------------------------------------------------------------
 def one_process_config(name: str, root: Path) -> Path:
     """configs/accelerate/<name>.yaml with num_processes: 1."""
@@ -313,7 +325,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="write the JSON here (rewritten after every section)")
     parser.add_argument("--cpu-subset", action="store_true", help="the CPU subset (automatic without CUDA)")
-    parser.add_argument("--sections", default="environment,precision,attention,checkpointing,launch,rollout_overhead")
+    parser.add_argument("--sections",
+                        default="environment,precision,attention,checkpointing,compile,launch,rollout_overhead")
     parser.add_argument("--launch-timeout", type=float, default=120, help="seconds per accelerate launch (4 launches)")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.cpu_subset
@@ -330,6 +343,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "precision": lambda: precision(root, paths, cuda),
                     "attention": lambda: attention(root, paths, cuda),
                     "checkpointing": lambda: checkpointing(root, paths, cuda),
+                    "compile": lambda: compiled(root, paths, cuda),
                     "launch": lambda: launches(root, cuda, args.launch_timeout),
                     "rollout_overhead": lambda: rollout_overhead(paths, cuda)}
         for name in args.sections.split(","):

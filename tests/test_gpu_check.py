@@ -18,7 +18,7 @@ def test_the_cpu_subset_runs_every_section_and_writes_one_json(gpu_check, tmp_pa
     results = gpu_check.main(["--cpu-subset", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(results, default=str))
     assert results["mode"] == "cpu-subset"
-    for name in ("environment", "precision", "attention", "checkpointing", "launch", "rollout_overhead"):
+    for name in ("environment", "precision", "attention", "checkpointing", "compile", "launch", "rollout_overhead"):
         assert "error" not in results[name], (name, results[name])
     step = results["precision"]["cases"]["tiny_sd3/fp32"]
     assert results["precision"]["ok"] and step["log_prob_dtype"] == "float32" and step["stats_finite"]
@@ -28,6 +28,7 @@ def test_the_cpu_subset_runs_every_section_and_writes_one_json(gpu_check, tmp_pa
     assert all("error" not in c for c in results["checkpointing"]["cases"].values())
     assert "tiny_sd3/sdpa" in results["attention"]["cases"]
     assert "CUDA" in results["launch"]["skipped"]
+    assert "skipped" in results["compile"]
     overhead = results["rollout_overhead"]
     assert overhead["ratio"] == pytest.approx(overhead["rollout_s"] / overhead["pipeline_s"])
 
