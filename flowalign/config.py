@@ -21,10 +21,10 @@ import yaml
 from pipelines.attention import BACKENDS as ATTENTION_BACKENDS
 
 
-from flowalign.errors import ConfigError  # noqa: E402  (re-exported: every check raises it)
-from flowalign.experimental.options import ExploreConfig, RoutingConfig  # noqa: E402
-from flowalign.overrides import dotted_keys, numbers_as_floats, parse_override, set_path  # noqa: E402, F401  (parse_override: re-exported)
-from flowalign.objectives.base import method_option_rules, method_options, option_owners  # noqa: E402  (loads the registry)
+from flowalign.errors import ConfigError  # re-exported: every check raises it
+from flowalign.experimental.options import ExploreConfig, RoutingConfig
+from flowalign.overrides import dotted_keys, numbers_as_floats, parse_override, set_path  # parse_override: re-exported
+from flowalign.objectives.base import method_option_rules, method_options, option_owners  # loads the registry
 
 
 @dataclass

@@ -73,7 +73,7 @@ def check_model(config: RunConfig):
     except ValueError as error:
         raise ConfigError(f"{source_of(config, 'model.family')}: model.family: {error}") from None
     prediction = cls.prediction
-    objective = check_objective(config, prediction)
+    check_objective(config, prediction)
     for key, value in m.kwargs.items():
         try:
             check_adapter_options(m.family, {key: value})

@@ -20,6 +20,8 @@ from flowalign.config import to_dict
 from flowalign.trainer import Trainer
 from helpers import tiny_config
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 from helpers import tiny_config
 
 from flowalign.config import ConfigError

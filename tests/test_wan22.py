@@ -4,7 +4,6 @@ VAE) against plain diffusers; the expert switch at the configured boundary in ro
 training, each expert's LoRA trained only by its own steps; the LoRA round trip through diffusers'
 Wan loader (``load_into_transformer_2``); every flow objective through the real trainer."""
 
-import math
 
 import pytest
 import torch
