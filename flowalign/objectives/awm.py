@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import torch
 
-from flowalign.objectives.base import flow_matching_error, velocity_kl, weighted_mean
+from flowalign.objectives.base import flow_matching_error, plus_velocity_kl, weighted_mean
 
 GHUBER_EPS = 1e-10  # ε of the authors' generalised Huber loss (float64 there, as here)
 
@@ -95,20 +95,11 @@ def awm_loss(
     per_sample = fm if ghuber_power is None else ghuber(fm, ghuber_power)
     tw = torch.ones_like(fm) if time_weight is None else time_weight.float()
     policy_loss = weighted_mean(advantages.float() * tw * per_sample, weight)
-    loss = policy_loss
-    kl = torch.zeros((), device=v_theta.device)
-    if kl_beta > 0:
-        if v_ref is None:
-            raise ValueError("kl_beta > 0 needs v_ref")
-        kl = weighted_mean(velocity_kl(v_theta, v_ref), weight)
-        loss = loss + kl_beta * kl
+    loss, kl = plus_velocity_kl(policy_loss, v_theta, v_ref, kl_beta, weight)
     with torch.no_grad():
         stats = {"policy_loss": policy_loss.detach(), "kl": kl.detach(), "awm_fm": weighted_mean(fm, weight)}
     if ema_beta > 0:
-        if v_ema is None:
-            raise ValueError("ema_beta > 0 needs v_ema")
-        ema_kl = weighted_mean(velocity_kl(v_theta, v_ema), weight)
-        loss = loss + ema_beta * ema_kl
+        loss, ema_kl = plus_velocity_kl(loss, v_theta, v_ema, ema_beta, weight, name="ema_beta")
         stats["ema_kl"] = ema_kl.detach()
     return loss, stats
 

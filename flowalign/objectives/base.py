@@ -79,6 +79,19 @@ def velocity_kl(v: torch.Tensor, v_ref: torch.Tensor) -> torch.Tensor:
     return ((v.float() - v_ref.detach().float()) ** 2).flatten(1).mean(1)
 
 
+def plus_velocity_kl(loss: torch.Tensor, v: torch.Tensor, v_ref: torch.Tensor | None, beta: float,
+                     weight: torch.Tensor, name: str = "kl_beta") -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss + β·KL, KL) with KL the weighted mean of ``velocity_kl(v, v_ref)`` over the samples that
+    train; (loss, 0) when β = 0. v, v_ref: [B, ...] (v_ref needed when β > 0; ``name`` says which
+    β in the error); weight: [B]."""
+    if beta <= 0:
+        return loss, torch.zeros((), device=v.device)
+    if v_ref is None:
+        raise ValueError(f"{name} > 0 needs the velocity it pulls toward")
+    kl = weighted_mean(velocity_kl(v, v_ref), weight)
+    return loss + beta * kl, kl
+
+
 def weighted_mean(values: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Σ values·weight / max(Σ weight, 1): the mean over the samples that train. [B], [B] → scalar."""
     return (values * weight).sum() / weight.sum().clamp(min=1.0)

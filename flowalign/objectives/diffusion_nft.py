@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from flowalign.objectives.base import velocity_kl, weighted_mean
+from flowalign.objectives.base import plus_velocity_kl, weighted_mean
 
 
 def optimality_probability(advantages: torch.Tensor, advantage_max: float) -> torch.Tensor:
@@ -97,13 +97,7 @@ def diffusion_nft_loss(
         per_sample, positive, negative, r = per_sample.sum(1), positive.sum(1), negative.sum(1), r.mean(1)
     per_sample = per_sample / beta
     policy_loss = weighted_mean(per_sample, weight)
-    loss = policy_loss
-    kl = torch.zeros((), device=v_theta.device)
-    if kl_beta > 0:
-        if v_ref is None:
-            raise ValueError("kl_beta > 0 needs v_ref")
-        kl = weighted_mean(velocity_kl(v_theta, v_ref), weight)
-        loss = loss + kl_beta * kl
+    loss, kl = plus_velocity_kl(policy_loss, v_theta, v_ref, kl_beta, weight)
     with torch.no_grad():
         stats = {"policy_loss": policy_loss.detach(), "kl": kl.detach(),
                  "nft_positive": weighted_mean(positive, weight), "nft_negative": weighted_mean(negative, weight),
