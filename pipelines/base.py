@@ -221,6 +221,10 @@ class Unmasking(Protocol):
     def finish_unmasking(self, final: torch.Tensor, cond: Conditioning, sampling) -> torch.Tensor: ...
 
 
+def ode_only(adapter) -> bool:
+    return isinstance(adapter, SamplingOrder) and bool(adapter.ode_only)
+
+
 class ModelNotFoundError(FileNotFoundError):
     """A model name resolved to nothing loadable; the message lists what was tried."""
 
