@@ -315,11 +315,13 @@ def method_options() -> dict[type, tuple[str, ...]]:
     return {option: tuple(owners) for option, owners in found.items()}
 
 
-def option_owners(options: dict[type, tuple[str, ...]], general: type) -> dict[str, str]:
+def option_owners(options: dict[type, tuple[str, ...]], general: type | None = None) -> dict[str, str]:
     """``train.*`` key → who declares it ("general": the dataclass ``general``; else the methods of
     the option dataclass that does; ``options``: ``method_options()``). TypeError (at import, from
     flowalign.config) when two option dataclasses, or one and the general options, declare the same
     name: one would silently replace the other's default for every method."""
+    if general is None:  # the general train options (flowalign.config passes them while it is imported)
+        from flowalign.config import _GeneralTrainConfig as general
     owners = {f.name: "general" for f in dataclasses.fields(general)}
     declared_by = {f.name: "the general train options" for f in dataclasses.fields(general)}
     for option, owner_methods in options.items():
