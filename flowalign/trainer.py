@@ -285,10 +285,6 @@ class Trainer:
         if counters is not None:
             self._restore(counters)
 
-    def load_checkpoint(self, path: Path) -> None:
-        """Read and apply one checkpoint (CheckpointError, naming the file, if any part is unreadable)."""
-        self._restore(self.checkpointer.apply(self.checkpointer.read(Path(path))))
-
     def _restore(self, counters: dict) -> None:
         self.epoch, self.history, self.evals = counters["epoch"], counters["history"], counters["evals"]
         self.resumed_seconds = counters.get("elapsed_s", self._train_seconds())  # older checkpoints: the epochs'
