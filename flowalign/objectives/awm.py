@@ -99,7 +99,7 @@ def awm_loss(
     with torch.no_grad():
         stats = {"policy_loss": policy_loss.detach(), "kl": kl.detach(), "awm_fm": weighted_mean(fm, weight)}
     if ema_beta > 0:
-        loss, ema_kl = plus_velocity_kl(loss, v_theta, v_ema, ema_beta, weight, name="ema_beta")
+        loss, ema_kl = plus_velocity_kl(loss, v_theta, v_ema, ema_beta, weight, name="ema_beta", target="v_ema")
         stats["ema_kl"] = ema_kl.detach()
     return loss, stats
 

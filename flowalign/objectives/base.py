@@ -80,14 +80,14 @@ def velocity_kl(v: torch.Tensor, v_ref: torch.Tensor) -> torch.Tensor:
 
 
 def plus_velocity_kl(loss: torch.Tensor, v: torch.Tensor, v_ref: torch.Tensor | None, beta: float,
-                     weight: torch.Tensor, name: str = "kl_beta") -> tuple[torch.Tensor, torch.Tensor]:
+                     weight: torch.Tensor, name: str = "kl_beta", target: str = "v_ref") -> tuple[torch.Tensor, torch.Tensor]:
     """(loss + β·KL, KL) with KL the weighted mean of ``velocity_kl(v, v_ref)`` over the samples that
-    train; (loss, 0) when β = 0. v, v_ref: [B, ...] (v_ref needed when β > 0; ``name`` says which
-    β in the error); weight: [B]."""
+    train; (loss, 0) when β = 0. v, v_ref: [B, ...] (v_ref needed when β > 0; ``name`` and ``target``
+    name β and v_ref in the error); weight: [B]."""
     if beta <= 0:
         return loss, torch.zeros((), device=v.device)
     if v_ref is None:
-        raise ValueError(f"{name} > 0 needs the velocity it pulls toward")
+        raise ValueError(f"{name} > 0 needs {target}")
     kl = weighted_mean(velocity_kl(v, v_ref), weight)
     return loss + beta * kl, kl
 
