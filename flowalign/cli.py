@@ -65,6 +65,17 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
                         "LABEL=FOLDER names it in tables and grids")
 
 
+# Families whose `sample` command is their own (flowalign/<world>/command.py): FAMILY, add_sample_arguments
+# (an argument group, shown under its own heading), refuse_options and sample. Light modules: --help stays fast.
+FAMILY_COMMANDS = ("flowalign.chess.command",)
+
+
+def _family_commands():
+    import importlib
+
+    return [importlib.import_module(name) for name in FAMILY_COMMANDS]
+
+
 def _seeds(args) -> list[int]:
     return [int(s) for s in args.seeds.split(",")]
 
@@ -102,14 +113,16 @@ def _model_loading(args) -> tuple[str, str, dict]:
 
 
 def _sampling_only(config):
-    """``config`` with the method that fits its family: sampling commands train nothing, so the
-    recipe's method must not fail the family check."""
+    """``config`` with a method that fits its family (the recipe's, else the first registered one
+    that does): sampling commands train nothing, so the recipe's method must not fail the family check."""
     import dataclasses
 
+    from flowalign.objectives.base import OBJECTIVES, methods
     from flowalign.preflight import adapter_for
 
-    prediction = getattr(adapter_for(config), "prediction", "velocity")
-    return dataclasses.replace(config, method="ddpo" if prediction in ("epsilon", "logits") else "flow_grpo")
+    prediction = adapter_for(config).prediction
+    fitting = [name for name in methods() if any(prediction in c.predictions for c in OBJECTIVES[name])]
+    return config if config.method in fitting else dataclasses.replace(config, method=fitting[0])
 
 
 def cmd_train(args) -> int:
@@ -254,13 +267,10 @@ def cmd_reward_server(args) -> int:
 def cmd_sample(args) -> int:
     seeds = _seeds(args)
     model, family, loading = _model_loading(args)
-    if family == "chess":
-        return _sample_chess(args, model, loading, seeds)
-    for flag, value in (("--partial-fen", args.partial_fen), ("--grid", args.grid)):
-        if value is not None:
-            from flowalign.config import ConfigError
-
-            raise ConfigError(f"{flag} is for the chess family; model {model!r} is of family {family!r}")
+    for command in _family_commands():  # a family with a sample command of its own (its options grouped in --help)
+        if command.FAMILY == family:
+            return command.sample(args, model, loading, seeds)
+        command.refuse_options(args, model, family)
     from torchvision.utils import save_image
 
     from flowalign.evaluation import Policy, load_policy, sample_images
@@ -273,46 +283,6 @@ def cmd_sample(args) -> int:
         path = args.out.replace("{seed}", str(seed)) if "{seed}" in args.out else f"{args.out[:-4]}-{seed}.png"
         save_image(image, path)
         print(f"wrote {path}")
-    return 0
-
-
-def _sample_chess(args, model: str, loading: dict, seeds: list[int]) -> int:
-    """Chess puzzles for the theme request ``args.prompt`` around ``--partial-fen``, judged by
-    Stockfish (unless --no-engine), written as PGN or CSV (+ SVG diagrams with --boards, one PNG of them all with --grid)."""
-    from flowalign.chess import sampling
-    from pipelines.chess import ChessAdapter
-
-    from flowalign.config import ConfigError
-
-    out = Path(args.out)
-    if out.suffix not in (".pgn", ".csv"):
-        raise ConfigError(f"chess: --out must end in .pgn or .csv (puzzles with their solutions), got {args.out!r}")
-    if args.grid and not args.grid.endswith(".png"):
-        raise ConfigError(f"chess: --grid must end in .png, got {args.grid!r}")
-    reward = None
-    if not args.no_engine:
-        from reward_models.chess.reward import ChessPuzzleReward, _requested_themes
-
-        _requested_themes({"themes": args.prompt})  # an unknown theme fails here, before the model loads
-        reward = ChessPuzzleReward(nodes=args.nodes)
-    adapter = ChessAdapter.from_pretrained(model, dtype=loading["dtype"], trained=args.weights)
-    steps = args.steps if args.steps is not None else 16
-    try:
-        puzzles = sampling.generate(adapter.pipe, args.prompt, seeds, partial_fen=args.partial_fen, fixed=args.fixed,
-                                    num_steps=steps, guidance_scale=args.guidance, reward=reward,
-                                    move_schedule=args.move_schedule)
-    finally:
-        if reward is not None:
-            reward.close()
-    (sampling.write_pgn if out.suffix == ".pgn" else sampling.write_csv)(puzzles, out)
-    print(sampling.summary(puzzles))
-    print(f"wrote {out}")
-    if args.boards:
-        print(f"wrote {len(sampling.write_boards(puzzles, args.boards))} diagrams to {args.boards}")
-    if args.grid:
-        from flowalign.chess.render import save_puzzle_grid
-
-        print(f"wrote {save_puzzle_grid(puzzles, args.grid)}")
     return 0
 
 
@@ -450,30 +420,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_push)
 
     p = sub.add_parser("sample", help="images for one prompt, one file per seed (chess: puzzles to PGN/CSV)",
-                       description="Images for one prompt, one file per seed. For a chess model (--model chess-md) "
-                                   "the prompt is a theme request (\"fork short\"), one puzzle per seed; "
-                                   "--partial-fen fixes squares, and --out puzzles.pgn / .csv gets each board with "
-                                   "Stockfish's solution and the themes found on it.")
+                       description="Images for one prompt, one file per seed. A family with a sample command of "
+                                   "its own (chess: puzzles) lists its options under its own heading below.")
     _add_model_args(p)
     p.add_argument("--weights", default=None, help="trained weights: a run's final/ or a checkpoint's policy/")
     p.add_argument("prompt")
     p.add_argument("--image", default=None, help="the input image of an image-conditioned family (several inputs "
                    "separated by |)")
     p.add_argument("--out", default="sample-{seed}.png", help="output path; {seed} is replaced (chess: .pgn or .csv)")
-    p.add_argument("--partial-fen", default=None, metavar="FEN",
-                   help="chess: a board whose --fixed squares every puzzle keeps (the rest is generated)")
-    p.add_argument("--fixed", default="pieces",
-                   help="chess: what of --partial-fen to keep, a comma list of 'pieces' (its occupied squares), "
-                        "square names, 'turn', 'castling', 'ep' or 'all' (default: pieces)")
-    p.add_argument("--nodes", type=int, default=100_000, help="chess: Stockfish nodes per search")
-    p.add_argument("--move-schedule", default="joint", choices=("joint", "last"),
-                   help="chess: unmask the model's own best move with the board (joint) or after it, as the "
-                        "most probable legal move (last; docs/chess.md)")
-    p.add_argument("--no-engine", action="store_true", help="chess: boards only (legality, no solution)")
-    p.add_argument("--boards", default=None, metavar="DIR", help="chess: also write an SVG diagram per legal puzzle")
-    p.add_argument("--grid", default=None, metavar="PNG",
-                   help="chess: also draw every puzzle (board, solution, themes asked and found, verdicts) into one "
-                        "PNG, four to a row")
+    for command in _family_commands():
+        command.add_sample_arguments(p)
     p.set_defaults(func=cmd_sample)
     return parser
 

@@ -10,7 +10,6 @@ import copy
 import dataclasses
 import difflib
 import math
-import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,8 +21,10 @@ import yaml
 from pipelines.attention import BACKENDS as ATTENTION_BACKENDS
 
 
-from flowalign.errors import ConfigError  # noqa: E402  (re-exported: every check raises it)
-from flowalign.objectives.base import method_options  # noqa: E402  (importing it loads the registry)
+from flowalign.errors import ConfigError  # re-exported: every check raises it
+from flowalign.experimental.options import ExploreConfig, RoutingConfig
+from flowalign.overrides import dotted_keys, numbers_as_floats, parse_override, set_path  # parse_override: re-exported
+from flowalign.objectives.base import method_option_rules, method_options, option_owners  # loads the registry
 
 
 @dataclass
@@ -178,53 +179,32 @@ class _GeneralTrainConfig:
     rng_shards: Optional[int] = None
 
 
+option_owners(method_options(), _GeneralTrainConfig)  # a name declared twice fails here, at import
+
+
 @dataclass
-class TrainConfig(*reversed(method_options()), _GeneralTrainConfig):
+class TrainConfig(*reversed(tuple(method_options())), _GeneralTrainConfig):
     """``train:``: the options above, then the methods' own (e.g. ``nft_beta``, ``gdro_tau``,
     ``noise_draws``, ``entropy_coef``), defined, documented and checked in their objective's file
-    (the dataclasses its class names in ``options``) and joined here under the same keys."""
+    (the dataclasses its class names in ``options``) and joined here under the same keys. A
+    method's options are valid only with that method (``method_option_rules``)."""
 
 
-@dataclass
-class ExploreConfig:
-    # EXPLORENET (flowalign/experimental/explorenet.py): none (isotropic) | shape (learned per-element std, total fixed) |
-    # magnitude (learned per-step scale only: the ablation) | both
-    mode: str = "none"
-    learning_rate: float = 1e-3  # Adam learning rate of the exploration net
-    hidden: int = 32  # hidden width of the exploration net
+_TRAIN_CLASSES: dict[tuple[type, ...], type] = {}
 
 
-@dataclass
-class RoutingConfig:
-    """DiffusionNFT on joint audio-video models (flowalign/experimental/av_routing.py); needs
-    method diffusion_nft, an audio_video family and train.per_reward_advantages."""
-
-    # (ii) each reward trains the branches it concerns (component → [video] | [audio] | [video, audio];
-    # unnamed components: both), with residual corrections of the weights after `warmup` epochs
-    reweight: bool = False
-    concerns: dict[str, list[str]] = field(default_factory=dict)  # component → the branches it trains
-    warmup: int = 5  # epochs before the residual corrections start
-    strength: float = 1.0  # residual step: ρ ← clip(ρ + strength·(threshold − cos), 0, max_residual)
-    threshold: float = 0.3  # the gradient cosine each routed reward should keep (av_routing.py)
-    max_residual: float = 4.0  # upper bound of a residual ρ
-    gram_decay: float = 0.9  # EMA of the reward-gradient Gram over epochs
-    # reward floors: after warm-up a reward whose training mean falls below its warm-up mean gains a
-    # Lagrange multiplier λ_k (step floor_strength per warm-up std of shortfall, at most floor_max); 0 = off
-    floor_strength: float = 1.0
-    floor_max: float = 10.0  # upper bound of a floor multiplier λ
-    # with floors on: a reward at or above its floor (not suppressed in outcome) gains no residual
-    # from a low gradient cosine; its residual can only decay (the weight goes to rewards that fall)
-    floor_gates_residual: bool = False
-    # with floors on, while a reward is below its floor (λ > 0), the other rewards of the branches it
-    # trains get weight 0 there (a CRPO-style priority): none | all | conflicts (only those whose gradient
-    # opposes it there: a negative reward-gradient interaction)
-    floor_gate: str = "none"
-    # (i) cross-modal influence: per-token loss weights (u / mean u)^token_alpha and gradient scales
-    # of the cross-modal attention modules clip(u_l / mean u, layer_scale_min, layer_scale_max)
-    influence: bool = False
-    token_alpha: float = 1.0  # exponent of the per-token loss weights
-    layer_scale_min: float = 0.25  # lower clip of the layers' gradient scales
-    layer_scale_max: float = 4.0  # upper clip of the layers' gradient scales
+def train_config_class() -> type:
+    """``TrainConfig``, or a subclass of it joining the option dataclasses of objectives registered
+    after this module was imported (so the order of registration does not matter)."""
+    options = tuple(method_options())
+    later = tuple(o for o in options if not issubclass(TrainConfig, o))
+    if not later:
+        return TrainConfig
+    if later not in _TRAIN_CLASSES:
+        option_owners(method_options(), _GeneralTrainConfig)
+        _TRAIN_CLASSES[later] = dataclass(type("TrainConfig", (*reversed(later), TrainConfig),
+                                               {"__doc__": TrainConfig.__doc__, "__module__": __name__}))
+    return _TRAIN_CLASSES[later]
 
 
 @dataclass
@@ -271,11 +251,19 @@ class RunConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: TrainConfig = field(default_factory=lambda: train_config_class()())
     eval: EvalConfig = field(default_factory=EvalConfig)
     explore: ExploreConfig = field(default_factory=ExploreConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    # where each value came from (load_config): {"file", "overrides": [(key, text)], "keys": keys the
+    # file or an override set}; read by source_of. Not a setting: no file or override can set it.
+    sources: Optional[dict] = field(default=None, repr=False, compare=False, metadata={"internal": True})
+
+
+def settings(cls) -> list[dataclasses.Field]:
+    """The fields of a config dataclass a file can set (``sources`` is not one)."""
+    return [f for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
 
 
 CHOICES = {
@@ -309,6 +297,8 @@ def _coerce(value, tp, key: str, where: str):
         return _coerce(value, inner[0], key, where)
     if tp is Any:
         return value
+    if tp is TrainConfig:
+        tp = train_config_class()
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: {key} must be a mapping of settings, got {value!r}")
@@ -333,7 +323,7 @@ def _coerce(value, tp, key: str, where: str):
 
 def _build(cls, values: dict, prefix: str, where: str):
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = [f.name for f in settings(cls)]
     kwargs = {}
     for key, value in values.items():
         full = f"{prefix}.{key}" if prefix else str(key)
@@ -345,43 +335,6 @@ def _build(cls, values: dict, prefix: str, where: str):
         if full in CHOICES and kwargs[key] not in CHOICES[full]:
             raise ConfigError(f"{where}: {full} must be one of {', '.join(CHOICES[full])}, got {kwargs[key]!r}")
     return cls(**kwargs)
-
-
-def _set_path(tree: dict, dotted: str, value) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {dotted}: {part} is not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
-
-
-def _floats(tree):
-    """YAML 1.1 reads ``1e-4`` (no dot) as a string; read number-shaped strings as floats."""
-    if isinstance(tree, dict):
-        return {k: _floats(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_floats(v) for v in tree]
-    return float(tree) if isinstance(tree, str) and _FLOAT.match(tree) else tree
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """``"train.learning_rate=1e-4"`` → ("train.learning_rate", 1e-4); values are parsed as YAML."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} must look like key.sub=value")
-    key, raw = text.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as error:
-        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise ConfigError(f"override {text!r}: the value is not valid YAML ({problem}); quote the whole "
-                          "override for the shell, e.g. 'reward.kwargs={min_area: 4}'") from None
-    return key.strip(), _floats(value)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
@@ -402,17 +355,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
             raise ConfigError(f"{where}: not valid YAML: {error}") from error
         if not isinstance(loaded, dict):
             raise ConfigError(f"{where}: the top level must be a mapping of settings")
-        tree = _floats(loaded)
+        tree = numbers_as_floats(loaded)
         _resolve_prompt_paths(tree, path.parent)
     config = _build(RunConfig, tree, "", where)  # the file alone must be valid
     set_by = []
     for text in overrides:
         key, value = parse_override(text)
         tree = copy.deepcopy(tree)
-        _set_path(tree, key, value)  # replaces the value at key, a mapping included
+        set_path(tree, key, value)  # replaces the value at key, a mapping included
         config = _build(RunConfig, tree, "", f"override {text!r}")
         set_by.append((key, f"override {text!r}"))
-    config.sources = {"file": where, "overrides": set_by}  # read by source_of; not a setting
+    config.sources = {"file": where, "overrides": set_by, "keys": set(dotted_keys(tree))}
     check_values(config, where)
     return config
 
@@ -432,7 +385,7 @@ def _resolve_prompt_paths(tree: dict, folder: Path) -> None:
 def source_of(config: RunConfig, key: str, default: str = "config") -> str:
     """Where ``key``'s value came from: the last override that set it (or a section holding it, or
     a key inside it), else the YAML file; ``default`` for a config not made by ``load_config``."""
-    sources = getattr(config, "sources", None)
+    sources = config.sources
     if sources is None:
         return default
     for set_key, text in reversed(sources["overrides"]):
@@ -449,7 +402,7 @@ def check_types(config: RunConfig, where: str = "RunConfig") -> None:
         raise ConfigError(f"{where}: expected a RunConfig (flowalign.load_config or RunConfig(...)), "
                           f"got {type(config).__name__}")
     hints = typing.get_type_hints(RunConfig)
-    for f in dataclasses.fields(RunConfig):
+    for f in settings(RunConfig):
         section = hints[f.name]
         if dataclasses.is_dataclass(section) and not isinstance(getattr(config, f.name), section):
             raise ConfigError(f"{where}: {f.name} must be a {section.__name__} (flowalign.config), got "
@@ -461,7 +414,7 @@ def check_values(config: RunConfig, where: str = "config") -> None:
     """Types (``check_types``: a config built in Python gets the checks of a file), then cross-field
     checks that types alone cannot express. A failure names the key and where its value came from
     (``source_of``: the override that set it, else ``where``)."""
-    check_types(config, where if getattr(config, "sources", None) is not None else "RunConfig")
+    check_types(config, where if config.sources is not None else "RunConfig")
     t, s, e = config.train, config.sampling, config.eval
     rules = [
         ("checkpoint_every", config.checkpoint_every >= 0, "must be ≥ 0 (0 = only at the end)"),
@@ -519,6 +472,7 @@ def check_values(config: RunConfig, where: str = "config") -> None:
 
     if config.method not in methods():
         raise ConfigError(f"{source_of(config, 'method', where)}: method must be one of {', '.join(methods())}, got {config.method!r}")
+    rules += method_option_rules(config, option_owners(method_options(), _GeneralTrainConfig))
     for cls in OBJECTIVES[config.method]:  # each method's own rules, then the experimental extras'
         rules += cls.validate(config)
     rules += experimental.rules(config)
@@ -528,4 +482,6 @@ def check_values(config: RunConfig, where: str = "config") -> None:
 
 
 def to_dict(config) -> dict:
-    return dataclasses.asdict(config)
+    """The settings as plain data (``sources`` left out)."""
+    return {f.name: dataclasses.asdict(getattr(config, f.name)) if dataclasses.is_dataclass(getattr(config, f.name))
+            else copy.deepcopy(getattr(config, f.name)) for f in settings(config)}

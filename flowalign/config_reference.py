@@ -66,7 +66,7 @@ def section_rows(cls, prefix: str, choices: dict) -> list[str]:
             comments.update(field_comments(base))
     rows = []
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
+        if dataclasses.is_dataclass(hints[f.name]) or f.metadata.get("internal"):
             continue
         key = f"{prefix}{f.name}"
         meaning = comments.get(f.name, "")

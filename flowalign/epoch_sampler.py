@@ -24,9 +24,6 @@ from flowalign.samplers.steps import StepPlan, plan_steps, sliding_window_start
 from pipelines.base import decode_samples, encode_records
 from pipelines.unmasking import MaskedTrajectory
 
-ROLLOUTS = ("sde", "ode", "unmasking", "offline")
-
-
 @dataclass
 class EpochBatch:
     """One epoch's rollouts on this process. traj: B samples; specs: B prompt records;
@@ -51,21 +48,16 @@ def cat_components(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
 
 def masked_rollout(adapter, cond, sampling, generator: torch.Generator | None) -> MaskedTrajectory:
     """Unmask the states of ``cond`` (its fixed tokens kept) with the current weights; the plan
-    and the categorical draws come from ``generator``. ``sampling.move_schedule`` "last": the
-    steps unmask the board alone, then the adapter writes the move into the final state
-    (``ChessAdapter.finish_move``; not a step, so it has no log-prob); the trajectory keeps the
+    and the categorical draws come from ``generator``. The family's work before and after the steps
+    (``pipelines.base.Unmasking``: chess's best-move schedule) is its own; the trajectory keeps the
     conditioning the steps were sampled with, so rescoring sees what sampling saw."""
     from pipelines.unmasking import rollout as unmasking_rollout
 
-    last = sampling.move_schedule == "last"
-    if last:
-        cond = adapter.hold_out_move(cond)
+    cond = adapter.begin_unmasking(cond, sampling)
     traj = unmasking_rollout(lambda x: adapter.predict(x, None, cond, sampling.guidance_scale),
                              adapter.initial_state(cond), sampling.num_steps, schedule=sampling.unmask_schedule,
                              temperature=sampling.temperature, generator=generator, cond=cond)
-    if last:
-        # outside every step's unmask set, so no log-prob, ratio, KL or entropy reads these positions
-        traj.states[:, -1] = adapter.finish_move(traj.states[:, -1], cond, sampling.guidance_scale)
+    traj.states[:, -1] = adapter.finish_unmasking(traj.states[:, -1], cond, sampling)
     return traj
 
 

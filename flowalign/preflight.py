@@ -34,13 +34,22 @@ def family_prediction(family: str) -> str | None:
         return None
 
 
-def check_method_family(method: str, family: str, prediction: str):
-    """The objective class of ``method`` for this family (flowalign/objectives/base.py: each
-    objective names the predictions it trains); ConfigError naming both when there is none. Then
-    the objective's rules for the family."""
-    from flowalign.objectives.base import objective_class
+def check_objective(config: RunConfig, prediction: str):
+    """The objective class of ``method`` for a family of ``prediction`` (ConfigError naming both
+    when there is none), checked against the family's rules and the objective's contract: per-reward
+    advantages only for an objective that takes them."""
+    from flowalign.objectives.base import check, objective_class
 
-    return objective_class(method, family, prediction)
+    try:
+        objective = objective_class(config.method, config.model.family, prediction)
+    except ConfigError as error:  # name the override that set the method, when one did
+        raise ConfigError(f"{source_of(config, 'method')}:{str(error).split(':', 1)[1]}") from None
+    check(objective.validate_family(config), config=config)
+    if config.train.per_reward_advantages and not objective.per_reward_advantages:
+        raise ConfigError(f"{source_of(config, 'train.per_reward_advantages')}: train.per_reward_advantages: method "
+                          f"{config.method!r} ({objective.__name__}) takes one advantage per sample, not one per "
+                          f"reward; set it to false")
+    return objective
 
 
 def adapter_for(config: RunConfig):
@@ -64,22 +73,16 @@ def check_model(config: RunConfig):
     except ValueError as error:
         raise ConfigError(f"{source_of(config, 'model.family')}: model.family: {error}") from None
     prediction = cls.prediction
-    from flowalign.objectives.base import check
-
-    try:
-        objective = check_method_family(config.method, m.family, prediction)
-    except ConfigError as error:  # name the override that set the method, when one did
-        raise ConfigError(f"{source_of(config, 'method')}:{str(error).split(':', 1)[1]}") from None
-    check(objective.validate_family(config), config=config)
+    check_objective(config, prediction)
     for key, value in m.kwargs.items():
         try:
             check_adapter_options(m.family, {key: value})
         except ValueError as error:
             raise ConfigError(f"{source_of(config, 'model.kwargs.' + key)}: model.kwargs.{key}: {error}") from None
-    if m.gradient_checkpointing and not getattr(cls, "supports_gradient_checkpointing", True):
+    if m.gradient_checkpointing and not cls.supports_gradient_checkpointing:
         raise ConfigError(f"{source_of(config, 'model.gradient_checkpointing')}: model.gradient_checkpointing is not "
                           f"supported by the {m.family!r} family; set it to false")
-    if config.sampling.move_schedule != "joint" and config.sampling.move_schedule not in getattr(cls, "move_schedules", ()):
+    if config.sampling.move_schedule != "joint" and config.sampling.move_schedule not in cls.move_schedules:
         raise ConfigError(f"{source_of(config, 'sampling.move_schedule')}: sampling.move_schedule "
                           f"{config.sampling.move_schedule!r} needs a model with a best move (family chess); the "
                           f"{m.family!r} family has none: remove it")
@@ -165,7 +168,7 @@ def check_modality(config: RunConfig, reward, extra_rewards) -> None:
     from pipelines import adapter_class
 
     cfg = config
-    made = getattr(adapter_class(cfg.model.family), "modality", "image")
+    made = adapter_class(cfg.model.family).modality
     if cfg.model.num_frames is not None and made == "image":
         raise ConfigError(f"config: model.num_frames is for video and audio-video families (wan, ltx2, "
                           f"av_demo); {cfg.model.family!r} makes single images: remove it")
@@ -192,13 +195,13 @@ def check_loaded_adapter(config: RunConfig, adapter, objective_cls) -> None:
     from pipelines.base import ode_only
 
     m = config.model
-    check_method_family(config.method, m.family, adapter.prediction)
+    check_objective(config, adapter.prediction)
     if ode_only(adapter) and (objective_cls.rollout != "ode" or config.sampling.eta > 0):
         raise ConfigError(f"config: this {m.family} model samples video-first (its pipeline's sampling_order), "
                           f"which only DiffusionNFT with ODE rollouts trains (sampling.eta: 0); got method "
                           f"{config.method!r}, sampling.eta {config.sampling.eta}: use method: diffusion_nft "
                           f"with sampling.eta=0, or a model with sampling_order joint")
-    if config.train.detach_uncond and not getattr(adapter, "detach_uncond_supported", False):
+    if config.train.detach_uncond and not adapter.detach_uncond_supported:
         raise ConfigError(f"{source_of(config, 'train.detach_uncond')}: train.detach_uncond is not supported by "
                           f"model family {m.family!r} (its guidance does not go through "
                           f"DenoiserAdapter.uncond_branch): set it to false")
@@ -286,17 +289,17 @@ def dry_run(config: RunConfig, recipe: str | None = None) -> str:
     return "\n".join(out)
 
 
+def _objective(config: RunConfig, cls):
+    from flowalign.objectives.base import objective_class
+
+    return objective_class(config.method, config.model.family, cls.prediction)
+
+
 def _method_text(config: RunConfig, cls) -> str:
-    s = config.sampling
-    prediction = cls.prediction
-    if prediction == "velocity":
-        step = f"{s.sde} SDE step, η={s.eta:g}"
-    elif prediction == "epsilon":
-        step = f"DDIM step with log-prob, η={s.eta:g}"
-    else:
-        step = f"masked unmasking ({s.unmask_schedule}, temperature {s.temperature:g}, move {s.move_schedule})"
-    return (f"{config.method} (flowalign/objectives), {step}, {s.num_steps} steps, CFG {s.guidance_scale:g}; "
-            f"{cls.__name__} ({cls.__module__.replace('.', '/')}.py, {prediction} prediction)")
+    objective = _objective(config, cls)
+    return (f"{config.method} ({objective.__name__}, {objective.__module__.replace('.', '/')}.py), "
+            f"{objective.sampler_text(config, cls.prediction)}; "
+            f"{cls.__name__} ({cls.__module__.replace('.', '/')}.py, {cls.prediction} prediction)")
 
 
 def _model_lines(config: RunConfig, cls, warnings: list[str]) -> list[tuple[str, str]]:
@@ -312,7 +315,7 @@ def _model_lines(config: RunConfig, cls, warnings: list[str]) -> list[tuple[str,
         lines.append(("trains", f"LoRA on {trained}, started from {m.init_lora} with its own rank, alpha and "
                                 f"targets (LoRA weights float32, base frozen in {m.dtype})"))
     elif m.lora_rank > 0:
-        targets = ", ".join(m.lora_targets or getattr(cls, "lora_targets", ()))
+        targets = ", ".join(m.lora_targets or cls.lora_targets)
         lines.append(("trains", f"LoRA on {trained}: r={m.lora_rank}, alpha={m.lora_alpha or m.lora_rank:g}, "
                                 f"targets {targets} (LoRA weights float32, base frozen in {m.dtype})"))
     else:
@@ -321,9 +324,8 @@ def _model_lines(config: RunConfig, cls, warnings: list[str]) -> list[tuple[str,
     lines.append(("components", components))
     lines.append(("precision", f"frozen weights {m.dtype}; mixed precision {config.train.mixed_precision}"))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    backend, message = resolve_attention(m.attention, device, getattr(cls, "supports_xformers", True))
-    supported = getattr(cls, "supports_xformers", True)
-    why = f": {xformers_unavailable(device, supported)}" if backend == "sdpa" and m.attention in ("auto", "xformers") \
+    backend, message = resolve_attention(m.attention, device, cls.supports_xformers)
+    why = f": {xformers_unavailable(device, cls.supports_xformers)}" if backend == "sdpa" and m.attention in ("auto", "xformers") \
         else ": see the warning below" if message else ""
     lines.append(("attention", f"{m.attention} → {backend} on this machine ({device}{why})"))
     if message:
@@ -344,8 +346,8 @@ def _trained_text(cls, index: dict | None) -> str:
     """Which denoisers train: ``model_folder``, and a further one (Wan 2.2 A14B's ``transformer_2``,
     ``possible_extra_folders``) when model_index.json lists it, or "if the checkpoint has one" when
     the index is not readable here (a hub id not in the local cache)."""
-    first = getattr(cls, "model_folder", "?")
-    extra = cls.possible_extra_folders() if hasattr(cls, "possible_extra_folders") else {}
+    first = cls.model_folder
+    extra = cls.possible_extra_folders()
     present = {k: v for k, v in extra.items() if index is not None and (index.get(k) or [None])[0] is not None}
     if not extra or (index is not None and not present):
         return first
@@ -384,18 +386,16 @@ def _weights_source(path: str) -> tuple[str, dict | None]:
 
 def _components(cls, path: str, index: dict | None) -> str:
     """The pipeline parts that would load: from model_index.json when known, else the pipeline class."""
-    pipeline = getattr(cls, "pipeline_class", None)
-    skipped = {k for k, v in cls.pipeline_kwargs(path).items() if v is None} if hasattr(cls, "pipeline_kwargs") \
-        else set()
+    pipeline = cls.pipeline_class
+    skipped = {k for k, v in cls.pipeline_kwargs(path).items() if v is None}
     if index is not None:
         parts = [k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[0] is not None]
         absent = [k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[0] is None]
-        text = f"{getattr(pipeline, '__name__', '?')}: " + ", ".join(p for p in parts if p not in skipped)
+        text = f"{pipeline.__name__}: " + ", ".join(p for p in parts if p not in skipped)
         skipped |= set(absent)
     else:
         expected, _ = pipeline._get_signature_keys(pipeline)
-        model_folder = getattr(cls, "model_folder", None)
-        optional = set(getattr(pipeline, "_optional_components", [])) - skipped - {model_folder}
+        optional = set(getattr(pipeline, "_optional_components", [])) - skipped - {cls.model_folder}
         required = [k for k in expected if k not in optional and k not in skipped]
         text = f"{pipeline.__name__}: " + ", ".join(required)
         if optional:
@@ -440,7 +440,7 @@ def _data_lines(config: RunConfig, warnings: list[str]) -> list[tuple[str, str]]
     if d.offline_groups:
         there = Path(d.offline_groups).is_dir()
         lines.append(("offline groups", f"{d.offline_groups} ({'present' if there else 'absent'})"))
-        if not there and _rollout(config) == "offline":
+        if not there and _objective(config, adapter_for(config)).rollout == "offline":
             warnings.append(f"data.offline_groups {d.offline_groups} does not exist: run `flowalign generate-groups` "
                             "with this recipe first")
     return lines
@@ -459,34 +459,24 @@ def _prompt_text(source: str, warnings: list[str]) -> str:
 
 
 def _batch_lines(config: RunConfig, cls) -> list[tuple[str, str]]:
-    from flowalign.samplers.steps import plan_steps
+    from flowalign.samplers.steps import step_counts
 
     t, s = config.train, config.sampling
     samples = t.groups_per_epoch * t.group_size
     updates = math.ceil(samples / t.train_batch_size) * t.inner_epochs
-    from flowalign.objectives.base import objective_class
-
-    rollout = objective_class(config.method, config.model.family, cls.prediction).rollout
-    if rollout == "unmasking":
-        trained = "the unmasking steps that unmask a position"
-    elif rollout in ("ode", "offline"):
-        trained = f"{t.noise_draws} noising draws per sample (forward process)"
+    objective = _objective(config, cls)
+    if objective.rollout == "unmasking":
+        trained = f"{objective.num_terms(config)} unmasking steps trained per sample (those that unmask a position)"
+    elif objective.rollout in ("ode", "offline"):
+        trained = f"{objective.num_terms(config)} noising draws per sample (forward process)"
     else:
-        plan = plan_steps(s.num_steps, 1, s.eta, s.step_mode, fraction=s.fraction, window_size=s.window_size,
-                          window_start=s.window_start if s.window_start is not None else 0,
-                          generator=torch.Generator().manual_seed(0))
-        trained = f"{int(plan.trained.sum())} of {s.num_steps} steps trained per sample ({s.step_mode})"
+        trained = f"{step_counts(s)[1]} of {s.num_steps} steps trained per sample ({s.step_mode})"
     return [("per epoch", f"{t.groups_per_epoch} prompts × {t.group_size} samples = {samples} per process, rolled out "
                           f"{t.sample_batch_size} at a time; {updates} optimizer steps of {t.train_batch_size} samples "
                           f"× {t.inner_epochs} inner epoch(s); {trained}"),
             ("optimizer", f"{'8-bit AdamW (bitsandbytes)' if t.optimizer == 'adamw8bit' else 'AdamW'} "
                           f"lr {t.learning_rate:g}{', TF32 on CUDA' if t.allow_tf32 else ''}, "
-                          f"weight decay {t.weight_decay:g}, clip range "
-                          f"{t.clip_range:g}, KL β {t.kl_beta:g}, max grad norm {t.max_grad_norm:g}, "
+                          f"weight decay {t.weight_decay:g}, "
+                          + (f"clip range {t.clip_range:g}, " if "clipfrac" in objective.progress else "")
+                          + f"KL β {t.kl_beta:g}, max grad norm {t.max_grad_norm:g}, "
                           f"{t.epochs} epochs" + (f", EMA {t.ema_decay:g}" if t.ema_decay else ""))]
-
-
-def _rollout(config: RunConfig) -> str:
-    from flowalign.objectives.base import OBJECTIVES, methods
-
-    return OBJECTIVES[config.method][0].rollout if config.method in methods() else ""

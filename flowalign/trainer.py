@@ -45,7 +45,7 @@ from flowalign.evaluator import Evaluator, flat
 from flowalign.faults import NanEpochStreak, RewardGuard, finite_json
 from flowalign.logs import add_default_handler, get_logger
 from flowalign.model_setup import build_model
-from flowalign.objectives.base import Context, objective_class
+from flowalign.objectives.base import Context, Minibatch, objective_class
 from flowalign.outputs import init_trackers, write_hub_files
 from flowalign.preflight import check_modality, check_reward_components, family_prediction, validate
 from flowalign.prompts import load_prompts
@@ -97,7 +97,7 @@ class Trainer:
         self.ema = EMA(self.params, t.ema_decay) if t.ema_decay > 0 else None
         ctx = Context(config, self.adapter, self.model, self.params, self.dist)
         self.sampler = EpochSampler(config, self.adapter, self.encode, self.reward, self.dist, self.train_specs)
-        self.objective, self.hooks = experimental.attach(config, ctx, objective_cls(ctx), self.encode, self.sampler)
+        self.objective, self.hooks = experimental.attach(config, ctx, objective_cls, self.encode, self.sampler)
         self.advantages = Advantages(config, self.dist)
         self.evaluator = Evaluator(config, self.adapter, self.encode, self.reward, self.extra_rewards, self.dist,
                                    self.model, self.eval_specs, self.out)
@@ -150,7 +150,8 @@ class Trainer:
                 self.history.append(stats)
                 acc.log(stats, step=self.epoch)
                 nan_streak.observe(stats, self.epoch)  # a reward NaN for every sample, epoch after epoch: stop
-                bar.set_postfix(reward=f"{stats['reward/mean']:.3f}", clipfrac=f"{stats.get('train/clipfrac', 0):.2f}")
+                bar.set_postfix(reward=f"{stats['reward/mean']:.3f}",  # and what the objective names (e.g. clipfrac)
+                                **{k: f"{stats.get('train/' + k, 0):.2f}" for k in self.objective.progress})
                 if self.dist.any(self._budget_spent()):
                     bar.close()
                     break
@@ -223,9 +224,10 @@ class Trainer:
                 # the terms' losses and stats stay on the device until the step is closed: one host sync
                 # per optimizer step instead of one per value (the sums below: the same, in the same order)
                 losses, recorded = [], []
+                mb = Minibatch.of(batch, idx, advantages, valid)
                 for term in terms:
                     with acc.accumulate(self.model), acc.autocast():
-                        loss, term_stats = objective.loss(batch, idx, term, advantages, valid)
+                        loss, term_stats = objective.loss(mb, term)
                         acc.backward(loss)  # Accelerate divides by the number of terms accumulated
                     losses.append(loss.detach())
                     recorded += term_stats.items()
@@ -244,6 +246,7 @@ class Trainer:
                         self.optimizer.step()  # fp16: the GradScaler skips it itself and lowers its scale
                 else:
                     self.optimizer.step()
+                    objective.after_step()
                     if self.ema is not None:
                         self.ema.update()
                     if grad_norm is not None:
@@ -289,10 +292,6 @@ class Trainer:
         counters = self.checkpointer.resume(resume)
         if counters is not None:
             self._restore(counters)
-
-    def load_checkpoint(self, path: Path) -> None:
-        """Read and apply one checkpoint (CheckpointError, naming the file, if any part is unreadable)."""
-        self._restore(self.checkpointer.apply(self.checkpointer.read(Path(path))))
 
     def _restore(self, counters: dict) -> None:
         self.epoch, self.history, self.evals = counters["epoch"], counters["history"], counters["evals"]

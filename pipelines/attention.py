@@ -24,6 +24,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch loads lazily: the CLI's --help never imports it
+    import torch
 
 # diffusers 0.42's AttentionBackendName values (tests/test_attention_dispatch.py keeps the two equal)
 DISPATCHER_BACKENDS = (

@@ -181,7 +181,7 @@ class AVPipeline(DiffusionPipeline):
             uncond, cond = v.chunk(2)
             return uncond + guidance_scale * (cond - uncond)
 
-        doubled = (lambda x: torch.cat([x, x])) if guidance_scale > 1.0 else (lambda x: x)  # noqa: E731
+        doubled = (lambda x: torch.cat([x, x])) if guidance_scale > 1.0 else (lambda x: x)
         if self.sampling_order == "video_first":
             if num_inference_steps % 2:
                 raise ValueError(f"video_first sampling splits its steps between two phases: "

@@ -206,9 +206,19 @@ class SamplingOrder(Protocol):
 
 @runtime_checkable
 class Unmasking(Protocol):
-    """Masked discrete diffusion (``prediction == "logits"``): the masked start of a rollout."""
+    """Masked discrete diffusion (``prediction == "logits"``): ``sequence_length`` (the positions a
+    fully masked rollout unmasks), the masked start of a rollout, and the family's own work around
+    the unmasking steps: ``begin_unmasking(cond, sampling)`` → the conditioning the steps sample
+    (and rescoring reads) with, ``finish_unmasking(final, cond, sampling)`` → the final states long
+    [B, L] (not a step: no log-prob). Chess uses the two for its best-move schedule."""
+
+    sequence_length: int
 
     def initial_state(self, cond: Conditioning) -> torch.Tensor: ...
+
+    def begin_unmasking(self, cond: Conditioning, sampling) -> Conditioning: ...
+
+    def finish_unmasking(self, final: torch.Tensor, cond: Conditioning, sampling) -> torch.Tensor: ...
 
 
 def ode_only(adapter) -> bool:

@@ -276,6 +276,7 @@ class ChessAdapter(DenoiserAdapter):
     supports_xformers = False  # its blocks call torch's scaled_dot_product_attention directly
     supports_gradient_checkpointing = False
     move_schedules = MOVE_SCHEDULES  # what ``sampling.move_schedule`` may be for this family
+    sequence_length = tokenizer.SEQ_LEN  # pipelines.base.Unmasking
 
     def __init__(self, pipe: ChessPuzzlePipeline, *, device: str | torch.device = "cpu"):
         # Not DenoiserAdapter.__init__: it reads image sizes off a VAE this family does not have.
@@ -337,6 +338,15 @@ class ChessAdapter(DenoiserAdapter):
         ``hold_out_move``): the sample with the move filled in (``pipelines.chess.finish_move``).
         Not a sampled step: it has no log-prob, and RL does not train it."""
         return finish_move(lambda x: self.predict(x, None, cond, guidance_scale), board, cond.tensors["move_view"])
+
+    def begin_unmasking(self, cond: Conditioning, sampling) -> Conditioning:
+        """``pipelines.base.Unmasking``: under ``sampling.move_schedule`` "last" the move is held out."""
+        return self.hold_out_move(cond) if sampling.move_schedule == "last" else cond
+
+    def finish_unmasking(self, final: torch.Tensor, cond: Conditioning, sampling) -> torch.Tensor:
+        """``pipelines.base.Unmasking``: under "last" the move is written into the finished boards
+        (outside every step's unmask set, so no log-prob, ratio, KL or entropy reads it)."""
+        return self.finish_move(final, cond, sampling.guidance_scale) if sampling.move_schedule == "last" else final
 
     def predict(self, x: torch.Tensor, t, cond: Conditioning, guidance_scale: float = 1.0,
                 model: nn.Module | None = None) -> torch.Tensor:

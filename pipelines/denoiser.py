@@ -101,6 +101,19 @@ class DenoiserAdapter:
     pipeline_class: type
     model_folder: str
     lora_targets: tuple[str, ...]
+    # what a family declares (read by the core as they are, never probed): its output ("image", "video",
+    # "audio_video"; pipelines.base.Adapter), whether xformers / gradient checkpointing work on its denoiser,
+    # the values of sampling.move_schedule it has (a best-move head: chess), whether prompt records carry
+    # a conditioning "image" and whether decode needs the conditioning (image-to-video families), and the
+    # pipeline classes of other families whose folders it also loads (a folder that pipelines.detect_family
+    # reads as one of those is not refused: Wan 2.2 TI2V-5B's WanPipeline folder loads as wan_i2v)
+    modality: str = "image"
+    supports_xformers: bool = True
+    supports_gradient_checkpointing: bool = True
+    move_schedules: tuple[str, ...] = ()
+    conditioning_image: bool = False
+    decodes_with_condition: bool = False
+    also_loads: tuple[str, ...] = ()
     negative_prompt: str = ""  # CFG's negative branch (families with a ``negative_prompt`` option set their own)
     # train.detach_uncond (set by the trainer): CFG's unconditional branch carries no gradient. The
     # values are the same either way (up to float rounding where it runs on its own: splits_uncond);
@@ -145,6 +158,12 @@ class DenoiserAdapter:
         if trained is not None:
             load_trained_weights(pipe, trained, cls.model_folder, dtype_, cls.extra_folders(pipe))
         return cls(pipe, device=device, **kwargs)
+
+    @classmethod
+    def possible_extra_folders(cls) -> dict[str, str]:
+        """Further denoisers a checkpoint of this family may have, by pipeline attribute, with their
+        role (what the dry run says it would train, before any weight is read): none by default."""
+        return {}
 
     @classmethod
     def extra_folders(cls, pipe) -> tuple[str, ...]:

@@ -26,7 +26,7 @@ def hps_checkpoint_file(checkpoint: str, repo: str = HPS_REPO) -> str:
 
     try:
         return hf_hub_download(repo, checkpoint)
-    except Exception as error:  # noqa: BLE001  (offline, missing file, bad repo: all say the same to the user)
+    except Exception as error:  # offline, missing file, bad repo: all say the same to the user
         raise hub_failure("HPS checkpoint", checkpoint, error,
                           f"Download {checkpoint} from hub repo {repo} and pass its path.") from error
 

@@ -39,12 +39,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flowalign.chess.render import is_yield, save_puzzle_grid  # noqa: E402
-from flowalign.chess.sampling import GeneratedPuzzle, judge  # noqa: E402
-from pipelines.base import resolve_model_path  # noqa: E402
-from pipelines.chess import ChessPuzzlePipeline  # noqa: E402
-from pipelines.denoiser import load_trained_weights  # noqa: E402
-from reward_models.chess.legality import is_legal  # noqa: E402
+from flowalign.chess.render import is_yield, save_puzzle_grid
+from flowalign.chess.sampling import GeneratedPuzzle, judge
+from pipelines.base import resolve_model_path
+from pipelines.chess import ChessPuzzlePipeline
+from pipelines.denoiser import load_trained_weights
+from reward_models.chess.legality import is_legal
 
 
 def held_out_requests(model: str) -> list[list[str]]:

@@ -300,7 +300,7 @@ def rollout_overhead(paths: dict, cuda: bool, reps: int = 3) -> dict:
                 sync()
                 times[name].append(time.perf_counter() - t0)
     rollout_s, pipeline_s = statistics.median(times["rollout"]), statistics.median(times["pipeline"])
-    del adapter
+    adapter = None  # frees the model (the closures above hold the name, not a copy)
     free()
     return {"model": path, "device": device, "dtype": dtype, "batch": len(prompts), "steps": steps,
             "rollout_s": rollout_s, "pipeline_s": pipeline_s, "ratio": rollout_s / pipeline_s, "times": times}

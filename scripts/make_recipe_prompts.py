@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     parts = [data / f"flow_grpo_assets/simple_ocr_animals_digit{k}.txt" for k in (1, 3, 5)]
     ocr_train = [p for part in parts for p in lines(part)]
     files["ocr/train.txt"] = header(
-        f"Text-rendering training prompts, a small stand-in: Flow-GRPO's assets/simple_ocr_animals_digit1/3/5.txt",
+        "Text-rendering training prompts, a small stand-in: Flow-GRPO's assets/simple_ocr_animals_digit1/3/5.txt",
         f"({len(ocr_train)} prompts, concatenated). Flow-GRPO trains on dataset/ocr/train.txt (over 4 MiB, not",
         f"redistributed here): copy it and set data.train_prompts to it. From {FLOW_GRPO}.",
         source=parts[2]) + "\n".join(ocr_train) + "\n"

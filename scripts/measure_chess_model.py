@@ -37,11 +37,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flowalign.chess.diversity import board_diversity as diversity  # noqa: E402
-from pipelines.base import resolve_model_path  # noqa: E402
-from pipelines.chess import ChessPuzzlePipeline  # noqa: E402
-from pipelines.denoiser import load_trained_weights  # noqa: E402
-from reward_models.chess.legality import is_legal  # noqa: E402
+from flowalign.chess.diversity import board_diversity as diversity
+from pipelines.base import resolve_model_path
+from pipelines.chess import ChessPuzzlePipeline
+from pipelines.denoiser import load_trained_weights
+from reward_models.chess.legality import is_legal
 
 REWARD_KEYS = ("unique", "theme_match", "theme_score", "yield", "partial_yield", "best_move")
 

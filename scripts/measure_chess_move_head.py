@@ -29,10 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flowalign.chess.puzzles import DEFAULT_PUZZLES, read_puzzles  # noqa: E402
-from pipelines import chess_tokenizer as tokenizer  # noqa: E402
-from pipelines.base import resolve_model_path  # noqa: E402
-from pipelines.chess import ChessPuzzlePipeline, legal_move_tokens  # noqa: E402
+from flowalign.chess.puzzles import DEFAULT_PUZZLES, read_puzzles
+from pipelines import chess_tokenizer as tokenizer
+from pipelines.base import resolve_model_path
+from pipelines.chess import ChessPuzzlePipeline, legal_move_tokens
 
 
 def main() -> None:

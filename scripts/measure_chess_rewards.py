@@ -34,12 +34,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import chess  # noqa: E402
+import chess
 
-from flowalign.chess.puzzles import DEFAULT_PUZZLES, Puzzle, read_puzzles, sample_puzzles  # noqa: E402
-from reward_models.chess.engine import SearchLimit, StockfishPool  # noqa: E402
-from reward_models.chess.themes import EVAL_SCALE, SUPPORTED_THEMES, tag_themes  # noqa: E402
-from reward_models.chess.uniqueness import (DEFAULT_RULE, LICHESS, LineScore, Rule, _judge, _step,  # noqa: E402
+from flowalign.chess.puzzles import DEFAULT_PUZZLES, Puzzle, read_puzzles, sample_puzzles
+from reward_models.chess.engine import SearchLimit, StockfishPool
+from reward_models.chess.themes import EVAL_SCALE, SUPPORTED_THEMES, tag_themes
+from reward_models.chess.uniqueness import (DEFAULT_RULE, LICHESS, LineScore, Rule, _judge, _step,
                                              ends_in_mate, ends_line, lichess_generator)
 
 

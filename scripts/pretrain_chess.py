@@ -198,7 +198,10 @@ def main() -> None:
         model = ChessDiffusionModel(themes=THEMES, dim=args.dim, layers=args.layers, heads=args.heads,
                                     move_task=args.move_task).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
-    decay = lambda s: min(1.0, (s + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / max(args.steps, 1))))
+
+    def decay(s: int) -> float:  # linear warm-up, then cosine to 0.1
+        return min(1.0, (s + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / max(args.steps, 1))))
+
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
     g = torch.Generator().manual_seed(args.seed if args.data_seed is None else args.data_seed)
     history, recent = [], []

@@ -50,7 +50,7 @@ FLOW_METHODS = {
     "flow_grpo": ["method=flow_grpo", "sampling.sde=flow_grpo", "train.kl_beta=0.1"],
     "cps": ["method=flow_grpo", "sampling.sde=cps", "train.kl_beta=0.1"],
     "dance_grpo": ["method=dance_grpo", "sampling.sde=dance_grpo"],  # no reference model: KL 0 by definition
-    "diffusion_nft": ["method=diffusion_nft", "train.kl_beta=0.1"],
+    "diffusion_nft": ["method=diffusion_nft", "train.kl_beta=0.1", "train.noise_draws=2"],
 }
 
 

@@ -7,7 +7,7 @@ import torch
 
 from flowalign.experimental.av_routing import (RewardRouter, branch_advantages, branch_contrasts, floor_gate,
                                              floor_multipliers, interaction_gram, layer_gradient_scales, psd_part,
-                                             residual_weights, response_ratio, routed_nft_loss, routed_priors,
+                                             residual_weights, response_ratio, routed_priors,
                                              token_weights)
 from flowalign.objectives.diffusion_nft import diffusion_nft_loss
 
@@ -25,7 +25,7 @@ def test_one_branch_with_uniform_tokens_is_plain_diffusion_nft():
     v, v_old, x_t, x0, t = _batch()
     r = torch.tensor([0.2, 0.5, 0.9])
     plain, _ = diffusion_nft_loss(v, v_old, x_t, x0, t, r, beta=0.7)
-    routed, _ = routed_nft_loss(v, v_old, x_t, x0, t, r[:, None], torch.ones(1, 10, dtype=torch.bool), beta=0.7)
+    routed, _ = diffusion_nft_loss(v, v_old, x_t, x0, t, r[:, None], masks=torch.ones(1, 10, dtype=torch.bool), beta=0.7)
     assert routed.item() == pytest.approx(plain.item(), rel=1e-6)
     (g_plain,) = torch.autograd.grad(plain, v)
     (g_routed,) = torch.autograd.grad(routed, v)
@@ -45,7 +45,7 @@ def test_the_same_r_on_every_branch_is_plain_diffusion_nft(waiting):
         v_old, x0 = v_old * keep, torch.where(masks[0], x0, x_t)
     r = torch.tensor([0.2, 0.5, 0.9])
     plain, _ = diffusion_nft_loss(v, v_old, x_t, x0, t, r, beta=1.0)
-    routed, _ = routed_nft_loss(v, v_old, x_t, x0, t, r[:, None].expand(3, 2), masks, beta=1.0)
+    routed, _ = diffusion_nft_loss(v, v_old, x_t, x0, t, r[:, None].expand(3, 2), masks=masks, beta=1.0)
     assert routed.item() == pytest.approx(plain.item(), rel=1e-6)
     (g_plain,) = torch.autograd.grad(plain, v)
     (g_routed,) = torch.autograd.grad(routed, v)
@@ -62,7 +62,7 @@ def test_each_branch_trains_only_on_its_own_advantage():
     grads = []
     for r_audio in (0.1, 0.9):
         r = torch.stack([torch.full((3,), 0.7), torch.full((3,), r_audio)], 1)
-        loss, _ = routed_nft_loss(v, v_old, x_t, x0, t, r, masks, beta=1.0)
+        loss, _ = diffusion_nft_loss(v, v_old, x_t, x0, t, r, masks=masks, beta=1.0)
         grads.append(torch.autograd.grad(loss, v)[0])
     assert torch.equal(grads[0][:, :6], grads[1][:, :6])  # the audio reward does not move video elements
     assert not torch.allclose(grads[0][:, 6:], grads[1][:, 6:])
@@ -75,7 +75,7 @@ def test_contrast_is_what_each_branchs_r_multiplies_in_the_loss():
     elem = torch.rand(3, 10, generator=torch.Generator().manual_seed(2)) + 0.5
     c = branch_contrasts(v, v_old, x_t, x0, t, masks, beta=0.5, elem_weight=elem)
     r = torch.full((3, 2), 0.3, requires_grad=True)
-    loss, _ = routed_nft_loss(v, v_old, x_t, x0, t, r, masks, beta=0.5, elem_weight=elem)
+    loss, _ = diffusion_nft_loss(v, v_old, x_t, x0, t, r, masks=masks, beta=0.5, elem_weight=elem)
     (dr,) = torch.autograd.grad(loss, r)
     torch.testing.assert_close(c.detach(), dr * 3)  # ×3 undoes the mean over samples: L is affine in r
     (g,) = torch.autograd.grad(c[:, 1].sum(), v)

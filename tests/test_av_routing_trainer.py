@@ -28,9 +28,11 @@ def tiny_av_dir(tmp_path_factory):
 
 
 def av_config(path, out, *overrides):
+    """DiffusionNFT on the tiny av_demo (another ``method=`` among ``overrides``: without NFT's options)."""
+    nft = not any(o.startswith("method=") for o in overrides)
     return load_config(None, [
         f"output_dir={out}", "model.family=av_demo", f"model.path={path}", "model.lora_rank=4", "tracker=none",
-        "method=diffusion_nft", "sampling.eta=0.0", "sampling.num_steps=3", "train.noise_draws=2",
+        "method=diffusion_nft", "sampling.eta=0.0", "sampling.num_steps=3", *(["train.noise_draws=2"] if nft else []),
         "data.train_prompts=av:train", "data.eval_prompts=av:test", "reward.name=audio_video",
         f"reward.weights={WEIGHTS}", "train.per_reward_advantages=true", f"routing.concerns={CONCERNS}",
         "train.epochs=2", "train.groups_per_epoch=2", "train.group_size=4", "train.sample_batch_size=8",

@@ -7,7 +7,7 @@ import torch
 
 from flowalign.objectives.awm import awm_loss, ghuber
 from flowalign.trainer import Trainer
-from test_trainer import cut_and_resumed, tiny_config
+from helpers import cut_and_resumed, tiny_config
 
 AWM = ("method=awm", "sampling.eta=0", "train.noise_draws=2")
 

@@ -116,8 +116,8 @@ def test_leave_one_out_needs_group_statistics(tmp_path):
 
 
 def test_trained_steps_skip_the_steps_that_unmask_nothing():
-    assert masked_trained_steps(16, "cosine")[0] == 1  # cosine's first step unmasks round(73·(1 − cos(π/32))) = 0
-    assert masked_trained_steps(4, "linear") == [0, 1, 2, 3]
+    assert masked_trained_steps(16, "cosine", 73)[0] == 1  # cosine's first step unmasks round(73·(1 − cos(π/32))) = 0
+    assert masked_trained_steps(4, "linear", 73) == [0, 1, 2, 3]
 
 
 def test_chess_prompt_sources(tiny_chess_dir):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from flowalign.objectives.dgpo import dgpo_loss
 from flowalign.trainer import Trainer
-from test_trainer import tiny_config
+from helpers import tiny_config
 
 DGPO = ("method=dgpo", "sampling.eta=0", "train.noise_draws=2", "train.dgpo_beta=10")
 

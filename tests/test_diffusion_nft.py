@@ -5,7 +5,7 @@ import torch
 
 from flowalign.objectives.diffusion_nft import diffusion_nft_loss, old_policy_decay, optimality_probability
 from flowalign.trainer import Trainer
-from test_trainer import cut_and_resumed, tiny_config
+from helpers import cut_and_resumed, tiny_config
 
 
 def _problem(b=3, shape=(2, 4, 4), seed=0):
@@ -125,15 +125,13 @@ def test_at_the_old_policy_shared_noising_cancels_the_noise_against_centred_r():
 
 
 def test_shared_noising_gives_a_group_one_draw_and_trains_it_in_one_minibatch(tiny_sd3_dir, tmp_path):
-    from types import SimpleNamespace
-
     from flowalign.config import ConfigError
     from flowalign.objectives.forward_process import forward_draws
 
     trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, *NFT, "train.nft_shared_noising=true",
                                   "train.train_batch_size=4"))
-    traj = SimpleNamespace(timesteps=torch.arange(4), latents=torch.zeros(8, 1), samples=torch.zeros(8, 3, 2, 2))
-    steps, eps = forward_draws(trainer.dist, traj, trainer.config.train.noise_draws, trainer.config.train.group_size)
+    steps, eps = forward_draws(trainer.dist, 8, 4, (3, 2, 2), trainer.config.train.noise_draws,
+                               trainer.config.train.group_size)
     for group in (slice(0, 4), slice(4, 8)):
         assert (steps[group] == steps[group][:1]).all() and (eps[group] == eps[group][:1]).all()
     assert not torch.equal(eps[0], eps[4])

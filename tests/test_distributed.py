@@ -18,7 +18,9 @@ from safetensors.torch import load_file
 
 from flowalign.config import to_dict
 from flowalign.trainer import Trainer
-from test_trainer import tiny_config
+from helpers import tiny_config
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 

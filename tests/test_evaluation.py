@@ -14,7 +14,7 @@ from PIL import Image
 from flowalign.cli import main
 from flowalign.evaluation import load_policy, paired_change, resolve_policies, sample_images, summarize
 from flowalign.trainer import Trainer
-from test_trainer import tiny_config
+from helpers import tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ estimator's sign on a toy problem, and a generator that samples without it."""
 
 import pytest
 import torch
-from test_trainer import tiny_config
+from helpers import tiny_config
 
 from flowalign.experimental.explorenet import ExploreNet, exploration_log_density, group_spread_advantages, normalise_shape
 from flowalign.rollout import rollout

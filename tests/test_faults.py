@@ -24,7 +24,7 @@ from flowalign.integrity import file_sha256
 from flowalign.trainer import Trainer
 from reward_models.base import Reward, register_reward
 from test_distributed import history, run, start, train_command, wait_until_started, write_config
-from test_trainer import tiny_config
+from helpers import tiny_config
 
 
 EPOCHS = 10

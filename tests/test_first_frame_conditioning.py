@@ -243,7 +243,7 @@ def test_each_objective_trains_with_the_input_in_metadata_and_grid(case, tmp_pat
         *[f"model.{k}={v}" for k, v in variant.sizes.items()], f"model.kwargs={{{options}}}",
         f"sampling.guidance_scale={GUIDANCE}", "tracker=none", f"sampling.num_steps={STEPS}", "train.epochs=1",
         "train.groups_per_epoch=2", "train.group_size=2", "train.sample_batch_size=4", "train.train_batch_size=4",
-        "train.noise_draws=2", "train.learning_rate=1e-2", f"data.train_prompts={world / 'animate.jsonl'}",
+        "train.learning_rate=1e-2", f"data.train_prompts={world / 'animate.jsonl'}",
         f"data.eval_prompts={world / 'animate.jsonl'}", "eval.seeds=1", "eval.grid_prompts=2", "eval.grid_seeds=1",
         f"eval.every={1 if evaluate else 0}", "checkpoint_every=0", "reward.name=test_first_frame_input",
         "reward.weights={closeness: 1.0}", *FLOW_METHODS[method]])

@@ -3,8 +3,7 @@
 import json
 
 import pytest
-import torch
-from test_trainer import tiny_config
+from helpers import tiny_config
 
 from flowalign.config import ConfigError
 from flowalign.group_generation import generate_groups

@@ -20,6 +20,8 @@ import torch
 
 from script_module import load_script
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 record_golden = load_script("record_golden")
 

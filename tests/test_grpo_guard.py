@@ -9,7 +9,7 @@ from flowalign.objectives.flow_grpo import flow_grpo_loss
 from flowalign.objectives.grpo_guard import grpo_guard_loss, ratio_norm
 from flowalign.samplers.flow_sde import dance_grpo_sde_step, flow_grpo_sde_step, gaussian_log_prob
 from flowalign.trainer import Trainer
-from test_trainer import tiny_config
+from helpers import tiny_config
 
 GUARD = ("method=grpo_guard", "sampling.eta=1.0", "train.clip_range=0.2")
 

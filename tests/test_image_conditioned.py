@@ -160,7 +160,7 @@ def _config(world, out, *overrides):
         f"model.height={SIZE}", f"model.width={SIZE}", f"model.kwargs={{max_sequence_length: {TOKENS}}}",
         f"sampling.guidance_scale={GUIDANCE}", "tracker=none", f"sampling.num_steps={STEPS}", "train.epochs=1",
         "train.groups_per_epoch=2", "train.group_size=2", "train.sample_batch_size=4", "train.train_batch_size=4",
-        "train.noise_draws=2", "train.learning_rate=1e-2", f"data.train_prompts={prompts}",
+        "train.learning_rate=1e-2", f"data.train_prompts={prompts}",
         f"data.eval_prompts={prompts}", "eval.seeds=2", "eval.grid_prompts=2", "eval.grid_seeds=2",
         "checkpoint_every=0", "reward.name=test_sees_the_input", "reward.weights={closeness: 1.0}", *overrides])
 
@@ -293,7 +293,7 @@ def test_wan_i2v_trains_with_every_objective(wan_world, tmp_path, method):
         *[f"model.{k}={v}" for k, v in VIDEO.items()], f"model.kwargs={{max_sequence_length: {TOKENS}}}",
         "sampling.guidance_scale=3.0", "tracker=none", "sampling.num_steps=4", "train.epochs=1",
         "train.groups_per_epoch=2", "train.group_size=2", "train.sample_batch_size=4", "train.train_batch_size=4",
-        "train.noise_draws=2", "train.learning_rate=1e-2", f"data.train_prompts={prompts}",
+        "train.learning_rate=1e-2", f"data.train_prompts={prompts}",
         f"data.eval_prompts={prompts}", "eval.seeds=1", "eval.grid_prompts=2", "eval.grid_seeds=1",
         f"eval.every={1 if method == 'flow_grpo' else 0}", "checkpoint_every=0", "reward.name=per_frame",
         "reward.kwargs={reward: test_sees_the_input}", "reward.weights={closeness: 1.0}", *FLOW_METHODS[method]]))
@@ -408,7 +408,7 @@ def test_qwen_image_edit_reproduces_the_pipeline_trains_and_its_lora_loads(world
         "model.lora_rank=4", "model.height=32", "model.width=32", "model.kwargs={max_sequence_length: 64}",
         "sampling.guidance_scale=1.0", "tracker=none", f"sampling.num_steps={STEPS}", "train.epochs=1",
         "train.groups_per_epoch=2", "train.group_size=2", "train.sample_batch_size=4", "train.train_batch_size=4",
-        "train.noise_draws=2", "train.learning_rate=1e-2", f"data.train_prompts={prompts}",
+        "train.learning_rate=1e-2", f"data.train_prompts={prompts}",
         f"data.eval_prompts={prompts}", "eval.seeds=1", "eval.grid_prompts=2", "eval.grid_seeds=1", "eval.every=0",
         "checkpoint_every=0", "reward.name=test_sees_the_input", "reward.weights={closeness: 1.0}",
         *FLOW_METHODS["flow_grpo"]]))

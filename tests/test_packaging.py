@@ -40,6 +40,8 @@ import torch
 import flowalign, flowalign.trainer, flowalign.preflight
 from flowalign.config import ConfigError, load_config
 from reward_models.base import MissingRewardPackage, available_rewards, build_reward
+
+pytestmark = pytest.mark.slow
 out = {{"available": available_rewards()}}
 jpeg = build_reward("jpeg_compressibility")
 out["jpeg"] = jpeg(torch.zeros(2, 3, 16, 16), ["a", "b"], [{{}}, {{}}])["jpeg_compressibility"].tolist()

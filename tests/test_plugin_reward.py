@@ -8,7 +8,7 @@ import pytest
 
 from flowalign.trainer import Trainer
 from reward_models.base import ENTRY_POINT_GROUP, available_rewards, build_reward
-from test_trainer import tiny_config
+from helpers import tiny_config
 
 
 def test_the_plugin_package_is_installed_and_discovered():

@@ -133,7 +133,7 @@ def test_a_server_that_is_down_scores_nan_instead_of_raising():
 
 def test_training_survives_a_reward_server_that_dies(tiny_sd3_dir, tmp_path, serve):
     from flowalign.trainer import Trainer
-    from test_trainer import tiny_config
+    from helpers import tiny_config
 
     server_url = serve(build_reward("shapes"), "shapes")
     # a second server that fails every call: its batches come back NaN and are dropped

@@ -5,7 +5,7 @@ import pytest
 import torch
 from diffusers import DDIMScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
 from adapter_checks import reference_predictions, rescored_gradients
-from test_trainer import tiny_config
+from helpers import tiny_config
 
 from flowalign.config import ConfigError
 

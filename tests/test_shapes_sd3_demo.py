@@ -4,7 +4,6 @@ demo config's first evaluation measures (same prompts, seeds and sampling)."""
 
 import json
 
-import pytest
 import torch
 from diffusers import StableDiffusion3Pipeline
 

@@ -20,6 +20,7 @@ from adapter_checks import (assert_detach_uncond_trains_only_the_conditional_bra
                             assert_split_uncond_matches_the_detached_batch)
 
 from flowalign.config import ConfigError, load_config
+from flowalign.objectives.base import Minibatch
 from flowalign.objectives.flow_grpo import FlowGRPO, flow_grpo_loss, kl_std, nonzero_advantage
 from flowalign.samplers.flow_sde import (FLOW_SDE_STEPS, cps_step, dance_grpo_euler_step, dance_grpo_sde_step,
                                          flow_grpo_sde_step, ode_step)
@@ -93,7 +94,8 @@ def test_the_objective_trains_only_nonzero_advantages_when_asked(mode, expected)
     objective.config = SimpleNamespace(train=SimpleNamespace(zero_advantage=mode))
     sub = SimpleNamespace(trained=torch.tensor([[True], [True], [False], [True]]))
     valid = torch.ones(4, dtype=torch.bool)
-    weight = objective.trained_weight(sub, 0, torch.tensor([0.5, 0.0, 1.0, -2.0]), valid)
+    mb = Minibatch(torch.arange(4), sub, torch.tensor([0.5, 0.0, 1.0, -2.0]), valid, torch.zeros(4))
+    weight = objective.trained_weight(mb, 0)
     assert weight.tolist() == expected
 
 
@@ -155,11 +157,29 @@ def test_the_last_euler_step_decodes_dance_grpos_x0_hat():
                           atol=1e-6)
 
 
-@pytest.mark.parametrize("name", sorted(FLOW_SDE_STEPS))
-def test_stochastic_steps_refuse_sigma_next_zero_clearly(name):
+def test_cps_refuses_sigma_next_zero_clearly():
     x = torch.randn(2, 4, 3, 3)
-    with pytest.raises(ValueError, match="needs σ' > 0"):
-        FLOW_SDE_STEPS[name](x, x, 0.2, 0.0, 0.7, noise=torch.randn_like(x), sigma_fallback=0.9)
+    with pytest.raises(ValueError, match="needs σ' > 0"):  # its std σ'·sin(ηπ/2) is 0 there
+        cps_step(x, x, 0.2, 0.0, 0.7, noise=torch.randn_like(x))
+
+
+@pytest.mark.parametrize("name, mean, std", [
+    # Flow-GRPO's sde_step_with_logprob at σ = 0.2 → 0, η = 0.7, x = 1, v = 0.5: σ_t = 0.7·sqrt(0.2/0.8) = 0.35,
+    # μ = x + v·dt + σ_t²/(2σ)·(x + (1 − σ)·v)·dt = 0.9 + 0.30625·1.4·(−0.2) = 0.81425, std = σ_t·sqrt(0.2)
+    ("flow_grpo", 0.81425, 0.35 * math.sqrt(0.2)),
+    # DanceGRPO's flux_step: x̂0 = 0.9, score = −(x − 0.8·x̂0)/σ² = −7, μ = 0.9 − ½·0.49·(−7)·(−0.2) = 0.557,
+    # std = η·sqrt(σ); without the score term (sde_solver=False) μ = 0.9
+    ("dance_grpo", 0.557, 0.7 * math.sqrt(0.2)),
+    ("dance_grpo_euler", 0.9, 0.7 * math.sqrt(0.2)),
+])
+def test_flow_grpo_and_dance_grpo_steps_at_sigma_next_zero_are_their_sources(name, mean, std):
+    x, v, z = torch.ones(1, 3), torch.full((1, 3), 0.5), torch.tensor([[0.3, -1.0, 2.0]])
+    out = FLOW_SDE_STEPS[name](v, x, 0.2, 0.0, 0.7, noise=z, sigma_fallback=0.9, reduction="sum")
+    assert out.mean.flatten().tolist() == pytest.approx([mean] * 3, rel=1e-6)
+    assert float(out.std.flatten()[0]) == pytest.approx(std, rel=1e-6)
+    assert out.prev_sample.flatten().tolist() == pytest.approx((mean + std * z.flatten()).tolist(), rel=1e-6)
+    by_hand = float((-(z**2) / 2).sum()) - 3 * (math.log(std) + 0.5 * math.log(2 * math.pi))
+    assert out.log_prob.item() == pytest.approx(by_hand, rel=1e-5)  # float32 sums
 
 
 def test_log_probs_stay_finite_at_the_smallest_positive_step():
@@ -284,7 +304,7 @@ def test_recipe_keys_carry_their_sources_values_under_the_sources_semantics(reci
 
 def test_the_trainer_divides_the_kl_by_the_chosen_convention(tiny_sd3_dir, tmp_path):
     from flowalign.trainer import Trainer
-    from test_trainer import tiny_config
+    from helpers import tiny_config
 
     runs = {}
     for convention in ("exact", "flow_grpo"):

@@ -11,7 +11,7 @@ import torch
 from flowalign.config import ConfigError
 from flowalign.model_setup import check_bitsandbytes, read_lora, set_tf32
 from flowalign.trainer import Trainer
-from test_trainer import tiny_config
+from helpers import tiny_config
 
 
 def outputs(adapter) -> torch.Tensor:

@@ -4,7 +4,6 @@ VAE) against plain diffusers; the expert switch at the configured boundary in ro
 training, each expert's LoRA trained only by its own steps; the LoRA round trip through diffusers'
 Wan loader (``load_into_transformer_2``); every flow objective through the real trainer."""
 
-import math
 
 import pytest
 import torch
@@ -175,7 +174,7 @@ def _config(folders, out, layout, *overrides):
         *[f"model.{k}={v}" for k, v in SIZES.items()], f"model.kwargs={{max_sequence_length: {TOKENS}}}",
         f"sampling.guidance_scale={GUIDANCE}", "tracker=none", f"sampling.num_steps={STEPS}", "train.epochs=1",
         "train.groups_per_epoch=2", "train.group_size=2", "train.sample_batch_size=4", "train.train_batch_size=4",
-        "train.noise_draws=2", "train.learning_rate=1e-2", f"data.train_prompts={folders / 'prompts.txt'}",
+        "train.learning_rate=1e-2", f"data.train_prompts={folders / 'prompts.txt'}",
         f"data.eval_prompts={folders / 'prompts.txt'}", "eval.seeds=1", "eval.grid_prompts=2", "eval.grid_seeds=1",
         "eval.every=0", "checkpoint_every=0", "reward.name=temporal_consistency",
         "reward.weights={temporal_consistency: 1.0}", *overrides])

@@ -40,7 +40,7 @@ def run_config(folders, out, name, *overrides):
         f"output_dir={out}", f"model.family={variant.family}", f"model.path={folders / name}", "model.lora_rank=4",
         *sizes, f"model.kwargs={{{kwargs}}}", f"sampling.guidance_scale={variant.guidance}", "tracker=none",
         f"sampling.num_steps={STEPS}", "train.epochs=1", "train.groups_per_epoch=2", "train.group_size=2",
-        "train.sample_batch_size=4", "train.train_batch_size=4", "train.noise_draws=2", "train.learning_rate=1e-2",
+        "train.sample_batch_size=4", "train.train_batch_size=4", "train.learning_rate=1e-2",
         f"data.train_prompts={folders / 'prompts.txt'}", f"data.eval_prompts={folders / 'prompts.txt'}",
         "eval.seeds=1", "eval.grid_prompts=2", "eval.grid_seeds=1", "eval.every=0", "checkpoint_every=0",
         *JPEG, *overrides])
@@ -57,7 +57,7 @@ def test_each_objective_trains_on_policy_with_zero_kl_at_init(folders, tmp_path,
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_gdro_trains_on_pregenerated_groups(folders, tmp_path, name):
-    gdro = ["method=gdro", "sampling.eta=0.0", f"data.offline_groups={tmp_path / 'groups'}"]
+    gdro = ["method=gdro", "sampling.eta=0.0", "train.noise_draws=2", f"data.offline_groups={tmp_path / 'groups'}"]
     generate_groups(run_config(folders, tmp_path / "gen", name, *gdro), 2)
     trainer, initial = train_once(run_config(folders, tmp_path / "run", name, *gdro))
     assert_trained(trainer, initial)

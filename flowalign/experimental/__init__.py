@@ -8,8 +8,8 @@ world only, where ``floor_gate: all`` is the one rule that held sync (docs/audio
 benchmark that shows one of them helping on more than one world promotes it: a wrapper to
 ``flowalign/objectives/``, a noise model to the epoch sampler.
 
-``rules(config)``: their config rules; ``attach(config, ctx, objective, encode, sampler)``: the
-objective to train with (wrapped where a wrapper is on) and the training hooks that are on.
+``rules(config)``: their config rules; ``attach(config, ctx, objective_cls, encode, sampler)``: the
+objective to train with (routing's subclass where it is on) and the training hooks that are on.
 """
 
 from __future__ import annotations
@@ -21,16 +21,17 @@ def rules(config) -> list[tuple[str, bool, str]]:
     return explore_hook.rules(config) + routing.rules(config)
 
 
-def attach(config, ctx, objective, encode, sampler):
-    """(objective, hooks): a training hook has ``before_update(batch) → stats``, ``components()``
-    (checkpointed state by name) and ``write_outputs(folder)``."""
+def attach(config, ctx, objective_cls, encode, sampler):
+    """(objective, hooks): the objective built from ``objective_cls`` (or routing's subclass of it);
+    a training hook has ``before_update(batch) → stats``, ``components()`` (checkpointed state by
+    name) and ``write_outputs(folder)``."""
     hooks = []
     if config.explore.mode != "none":
         from flowalign.experimental.explore_hook import ExploreHook
 
         hooks.append(ExploreHook(config, ctx, encode, sampler))
-    if config.routing.reweight or config.routing.influence:
+    if config.routing.reweight or config.routing.influence:  # routing.rules: only with method diffusion_nft
         from flowalign.experimental.routing import RoutedNFT
 
-        objective = RoutedNFT(objective)
-    return objective, hooks
+        objective_cls = RoutedNFT
+    return objective_cls(ctx), hooks

@@ -68,8 +68,8 @@ is a free proxy of how much the other modality drives that token. It is used twi
   (layers through which little cross-modal influence flows are updated less; the published LTX-2
   relative stops gradients in shallow audio→video layers, the limit s → 0).
 
-With uniform token weights and unit gradient scales, ``routed_nft_loss`` with one branch, or with
-the same r on every branch, equals ``diffusion_nft_loss`` (tested; each branch's errors are
+The routed loss is ``diffusion_nft_loss`` with the branch masks and r [B, M]. With uniform token
+weights and unit gradient scales, one branch, or the same r on every branch, gives the unsplit loss (tested; each branch's errors are
 normalised by the whole sample's, so a video-first sample's waiting stream takes no weight).
 """
 
@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import torch
 
-from flowalign.objectives.diffusion_nft import weighted_error
+from flowalign.objectives.diffusion_nft import implicit_errors
 
 
 def routed_priors(priors: torch.Tensor, concerns: torch.Tensor) -> torch.Tensor:
@@ -226,69 +226,12 @@ def layer_gradient_scales(layer_influence: torch.Tensor, low: float = 0.25, high
     return (u / u.mean().clamp(min=1e-12)).clamp(low, high)
 
 
-def _branch_errors(v_theta, v_old, x_t, x0, t, masks, beta, elem_weight):
-    """``weighted_error`` of the implicit positive and negative policies' x̂0 (``diffusion_nft_loss``:
-    v± = β·v_θ + (1 − β)·v_old and (1 + β)·v_old − β·v_θ), split by branch: ([B, M], [B, M])."""
-    tt = t.float().reshape(-1, *([1] * (x_t.ndim - 1)))
-    v_old, v32, x_t = v_old.detach().float(), v_theta.float(), x_t.float()
-    pos = x_t - tt * (beta * v32 + (1 - beta) * v_old)
-    neg = x_t - tt * ((1 + beta) * v_old - beta * v32)
-    return weighted_error(pos, x0.float(), masks, elem_weight), weighted_error(neg, x0.float(), masks, elem_weight)
-
-
 def branch_contrasts(v_theta, v_old, x_t, x0, t, masks, *, beta: float,
                      elem_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """C_i^b: what r_i^b multiplies in sample i's loss (``routed_nft_loss`` = mean_i Σ_b [N + r·C]),
-    with its graph to v_θ. Arguments as ``routed_nft_loss``'s. Returns [B, M]."""
-    pos, neg = _branch_errors(v_theta, v_old, x_t, x0, t, masks, beta, elem_weight)
+    """C_i^b: what r_i^b multiplies in sample i's loss (``diffusion_nft_loss`` with ``masks`` = mean_i
+    Σ_b [N + r·C]), with its graph to v_θ. Arguments as that loss's. Returns [B, M]."""
+    pos, neg = implicit_errors(v_theta, v_old, x_t, x0, t, beta, masks, elem_weight)
     return (pos - neg) / beta
-
-
-def routed_nft_loss(
-    v_theta: torch.Tensor,
-    v_old: torch.Tensor,
-    x_t: torch.Tensor,
-    x0: torch.Tensor,
-    t: torch.Tensor,
-    r: torch.Tensor,
-    masks: torch.Tensor,
-    *,
-    beta: float,
-    elem_weight: torch.Tensor | None = None,
-    v_ref: torch.Tensor | None = None,
-    kl_beta: float = 0.0,
-    weight: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """DiffusionNFT with one optimality probability per branch.
-
-    v_theta (with grad), v_old, x_t, x0: [B, D...]; t: [B]; r: [B, M] per branch; masks: bool
-    [M, D...] partitioning the elements; elem_weight: [B, D...] token weights (mean 1 per branch;
-    None: uniform); weight: [B] in {0, 1} (samples that train). This is ``diffusion_nft_loss``
-    with each element's optimality probability its branch's: branch b's squared errors are
-    summed over its elements and divided by the detached mean|error| over *all* the sample's
-    elements (the adaptive weight), so with the same r on every branch the loss is the unrouted
-    one, for any layout. (Normalising each branch by its own errors and summing with weights
-    n_b / n, as a first version did, trains a video-first sample's moving stream at its element
-    share: the av-demo's audio at 512 / 6,656 of the unrouted rate.) Returns (loss, stats).
-    """
-    if beta <= 0:
-        raise ValueError(f"DiffusionNFT needs beta > 0, got {beta}")
-    if not torch.equal(masks.sum(0), torch.ones_like(masks[0], dtype=masks.sum(0).dtype)):
-        raise ValueError("branch masks must partition the latent elements")
-    weight = torch.ones(x0.shape[0], device=x0.device) if weight is None else weight.float()
-    denom = weight.sum().clamp(min=1.0)
-    pos, neg = _branch_errors(v_theta, v_old, x_t, x0, t, masks, beta, elem_weight)
-    per_sample = (r * pos + (1 - r) * neg).sum(1) / beta
-    stats = {f"r_branch{b}": (r[:, b] * weight).sum() / denom for b in range(len(masks))}
-    policy_loss = (per_sample * weight).sum() / denom
-    loss, kl = policy_loss, torch.zeros((), device=x0.device)
-    if kl_beta > 0:
-        if v_ref is None:
-            raise ValueError("kl_beta > 0 needs v_ref")
-        kl = (((v_theta.float() - v_ref.detach().float()) ** 2).flatten(1).mean(1) * weight).sum() / denom
-        loss = loss + kl_beta * kl
-    stats.update(policy_loss=policy_loss.detach(), kl=kl.detach())
-    return loss, {k: v.detach() for k, v in stats.items()}
 
 
 class RewardRouter:

@@ -1,21 +1,19 @@
 """Audio-video reward routing as a wrapper of the DiffusionNFT objective (``routing.reweight``,
 ``routing.influence``; the kernels and the router: ``av_routing.py``).
 
-The wrapper replaces DiffusionNFT's loss given (v_old, v_ref) by the routed loss over the joint
-latent's branches (``DiffusionNFT.head``), measures the reward-gradient Gram on each epoch's first
+A subclass of the DiffusionNFT objective: its loss split by the joint latent's branches (DiffusionNFT's
+own loss with the branch masks), measures the reward-gradient Gram on each epoch's first
 minibatch, folds the epoch's rewards and influences into the router at the end of the epoch, and
-checkpoints the router under ``routing``. Everything else is the wrapped objective's.
+checkpoints the router under ``routing``. Everything else is DiffusionNFT's.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
 from flowalign.errors import ConfigError
 from flowalign.experimental.av_routing import (RewardRouter, branch_advantages, branch_contrasts, interaction_gram,
-                                               layer_gradient_scales, routed_nft_loss, token_weights)
+                                               layer_gradient_scales, token_weights)
 from flowalign.objectives.diffusion_nft import DiffusionNFT, optimality_probability
 from pipelines.base import CrossModalAttention, JointAudioVideo
 from pipelines.joint import BRANCHES
@@ -38,13 +36,16 @@ def rules(config) -> list[tuple[str, bool, str]]:
     ]
 
 
-class RoutedNFT:
-    """DiffusionNFT with adaptive reward routing; delegates every other protocol member."""
+class RoutedNFT(DiffusionNFT):
+    """DiffusionNFT with adaptive reward routing: the loss split by the joint latent's branches
+    (``parts``), v_θ's forward recorded for the influence weights (``predict_theta``), the router
+    folded at each epoch's end and checkpointed under ``routing``. Not registered: selected by
+    ``routing.reweight`` / ``routing.influence`` (``flowalign.experimental.attach``)."""
 
-    def __init__(self, inner: DiffusionNFT):
-        self.inner, self.ctx, self.config = inner, inner.ctx, inner.config
-        adapter, r = self.ctx.adapter, self.config.routing
-        if not isinstance(adapter, JointAudioVideo) or getattr(type(adapter), "modality", "image") != "audio_video":
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        adapter, r = ctx.adapter, self.config.routing
+        if not isinstance(adapter, JointAudioVideo) or adapter.modality != "audio_video":
             raise ConfigError(f"config: routing is for audio-video families (their branch masks); "
                               f"{self.config.model.family!r} is not one")
         names = list(self.config.reward.weights)
@@ -52,13 +53,14 @@ class RoutedNFT:
         for k, name in enumerate(names):
             for branch in r.concerns.get(name, BRANCHES):
                 concerns[BRANCHES.index(branch), k] = True
-        self.router = RewardRouter(self.ctx.reward_weights, concerns, warmup=r.warmup, strength=r.strength,
+        self.router = RewardRouter(ctx.reward_weights, concerns, warmup=r.warmup, strength=r.strength,
                                    threshold=r.threshold, max_residual=r.max_residual, gram_decay=r.gram_decay,
                                    floor_strength=r.floor_strength if r.reweight else 0.0, floor_max=r.floor_max,
                                    floor_gates_residual=r.floor_gates_residual, floor_gate=r.floor_gate)
         self._layer_scales: dict[str, float] = {}
         self._layer_sums: dict[str, list[float]] = {}
         self._probe_due = True  # the reward-gradient Gram is measured on each epoch's first minibatch
+        self._recorder = None  # the cross-modal attention of the last v_θ forward (routing.influence)
         if r.influence:  # each cross-modal module's gradients scaled by its influence (constant within an epoch)
             if not isinstance(adapter, CrossModalAttention):
                 raise ConfigError(f"config: routing.influence reads the cross-modal attention during the forward "
@@ -68,24 +70,25 @@ class RoutedNFT:
                 for p in module.parameters():
                     if p.requires_grad:
                         p.register_hook(lambda g, name=name: g * self._layer_scales.get(name, 1.0))
-        inner.head = self._routed_loss
 
-    def __getattr__(self, name):  # name, rollout, unit, terms, sampling_weights, begin_update, loss
-        return getattr(self.inner, name)
+    def predict_theta(self, x_t, timestep, cond):
+        """v_θ, recording the cross-modal attention of its forward pass under ``routing.influence``."""
+        if not self.config.routing.influence:
+            return super().predict_theta(x_t, timestep, cond)
+        with self.ctx.adapter.record_cross_modal(maps=False, model=self.ctx.model) as recorder:
+            v_theta = super().predict_theta(x_t, timestep, cond)
+        self._recorder = recorder
+        return v_theta
 
-    def _routed_loss(self, sub, x0, x_t, sigma, timestep, v_old, v_ref, adv, weight):
-        """DiffusionNFT over the joint latent's branches: per-branch r (reweight) and/or
-        influence token weights, reading the cross-modal attention of v_θ's own forward pass."""
+    def parts(self, mb, x0, x_t, sigma, v_theta, v_old):
+        """(r [b, M], branch masks [M, D], token weights [b, D] or None): per-branch r (reweight)
+        and/or influence token weights; on each epoch's first minibatch, the reward-gradient Gram."""
         ctx, r, t = self.ctx, self.config.routing, self.config.train
-        layout = ctx.adapter.joint_layout
-        recording = ctx.adapter.record_cross_modal(maps=False, model=ctx.model) if r.influence \
-            else contextlib.nullcontext()
-        with recording as recorder:
-            v_theta = ctx.adapter.predict(x_t, timestep, sub.cond, 1.0, model=ctx.model)
+        adv, layout = mb.advantages, ctx.adapter.joint_layout
         elem_weight = None
         if r.influence:
             video, audio = [], []
-            for name, calls in recorder.records.items():
+            for name, calls in self._recorder.records.items():
                 u = calls[-1].response_ratio  # [b, tokens of the branch this module writes into]
                 (video if self._writes[name] == "video" else audio).append(u)
                 self._layer_sums.setdefault(name, [0.0, 0.0])
@@ -99,15 +102,17 @@ class RoutedNFT:
             prob = optimality_probability(branch_advantages(per_reward, self.router.weights.to(adv)), t.advantage_clip)
         else:
             masks = torch.ones(1, layout.numel, dtype=torch.bool, device=x0.device)
-            combined = per_reward @ ctx.reward_weights.to(adv) if adv.ndim == 2 else adv
-            prob = optimality_probability(combined, t.advantage_clip)[:, None]
-        loss, stats = routed_nft_loss(v_theta, v_old, x_t, x0, sigma, prob, masks, beta=t.nft_beta,
-                                      elem_weight=elem_weight, v_ref=v_ref, kl_beta=t.kl_beta, weight=weight)
+            prob = optimality_probability(ctx.scalarise(adv), t.advantage_clip)[:, None]
         if r.reweight and self._probe_due and self.router.needs_gram:
             self._probe_due = False
             self.router.observe(self._interaction_gram(v_theta, v_old, x_t, x0, sigma, masks, elem_weight,
                                                        optimality_probability(per_reward, t.advantage_clip) - 0.5,
-                                                       weight.bool()))
+                                                       mb.valid.bool()))
+        return prob, masks, elem_weight
+
+    def loss(self, mb, j):
+        loss, stats = super().loss(mb, j)
+        self._recorder = None
         return loss, stats
 
     def _interaction_gram(self, v_theta, v_old, x_t, x0, sigma, masks, elem_weight, centred, keep) -> torch.Tensor:
@@ -170,7 +175,7 @@ class RoutedNFT:
             self._set_layer_scales()
             self._layer_sums = {}
             stats.update({f"routing/grad_scale_{n}": v for n, v in self._layer_scales.items()})
-        stats.update(self.inner.end_epoch(batch, epoch))
+        stats.update(super().end_epoch(batch, epoch))
         return stats
 
     def _set_layer_scales(self) -> None:
@@ -182,7 +187,7 @@ class RoutedNFT:
 
     def components(self) -> dict:
         """Checkpointed state: the wrapped objective's, and the router under ``routing``."""
-        return {**self.inner.components(), "routing": _RouterState(self)}
+        return {**super().components(), "routing": _RouterState(self)}
 
 
 class _RouterState:

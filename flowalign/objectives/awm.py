@@ -17,11 +17,8 @@ E[A·∇log p_θ(x0)] with the ELBO in place of the log-likelihood. A positive a
 the sample's velocity (flow matching toward it), a negative one pushes it away. With A ≡ c > 0 the
 loss is c times plain flow matching toward the rollouts. ``awm_loss`` implements L.
 
-Equation numbers: we could not read the paper's text (no stored copy of its arXiv page or PDF
-answered; summaries quote its DDPO-as-noisy-DSM objective, −‖x_{t−Δt} − μ_θ‖²/(2Σ_t²) with
-Σ_t² = 2t/(1−t)·Δt, without numbers), so none are cited. The form above is the abstract's ("the same
-score/flow-matching loss as pretraining … reweights each sample by its advantage") as the authors'
-code computes it.
+No equation numbers are cited: the form above is the abstract's ("the same score/flow-matching loss
+as pretraining … reweights each sample by its advantage") as the authors' code computes it.
 
 What the authors' code and SD3.5-M configs (scxue/advantage_weighted_matching, read, not copied)
 do, term by term, and what we do:
@@ -57,6 +54,7 @@ from __future__ import annotations
 
 import torch
 
+from flowalign.objectives.base import flow_matching_error, plus_velocity_kl, weighted_mean
 
 GHUBER_EPS = 1e-10  # ε of the authors' generalised Huber loss (float64 there, as here)
 
@@ -93,25 +91,15 @@ def awm_loss(
     ema_kl when ema_beta > 0).
     """
     weight = torch.ones_like(advantages, dtype=torch.float32) if weight is None else weight.float()
-    denom = weight.sum().clamp(min=1.0)
-    fm = ((v_theta.float() - target.float()) ** 2).flatten(1).mean(1)  # [B]
+    fm = flow_matching_error(v_theta, target)  # [B]
     per_sample = fm if ghuber_power is None else ghuber(fm, ghuber_power)
     tw = torch.ones_like(fm) if time_weight is None else time_weight.float()
-    policy_loss = (advantages.float() * tw * per_sample * weight).sum() / denom
-    loss = policy_loss
-    kl = torch.zeros((), device=v_theta.device)
-    if kl_beta > 0:
-        if v_ref is None:
-            raise ValueError("kl_beta > 0 needs v_ref")
-        kl = (((v_theta.float() - v_ref.detach().float()) ** 2).flatten(1).mean(1) * weight).sum() / denom
-        loss = loss + kl_beta * kl
+    policy_loss = weighted_mean(advantages.float() * tw * per_sample, weight)
+    loss, kl = plus_velocity_kl(policy_loss, v_theta, v_ref, kl_beta, weight)
     with torch.no_grad():
-        stats = {"policy_loss": policy_loss.detach(), "kl": kl.detach(), "awm_fm": (fm * weight).sum() / denom}
+        stats = {"policy_loss": policy_loss.detach(), "kl": kl.detach(), "awm_fm": weighted_mean(fm, weight)}
     if ema_beta > 0:
-        if v_ema is None:
-            raise ValueError("ema_beta > 0 needs v_ema")
-        ema_kl = (((v_theta.float() - v_ema.detach().float()) ** 2).flatten(1).mean(1) * weight).sum() / denom
-        loss = loss + ema_beta * ema_kl
+        loss, ema_kl = plus_velocity_kl(loss, v_theta, v_ema, ema_beta, weight, name="ema_beta", target="v_ema")
         stats["ema_kl"] = ema_kl.detach()
     return loss, stats
 
@@ -159,6 +147,7 @@ class AWM(ForwardProcessObjective):
     rollout = "ode"
     predictions = ("velocity",)
     options = (NoisingOptions, AWMOptions)
+    per_reward_advantages = True  # summed with the reward weights
     EMA_RAMP = 0.001  # the authors' decay ramp per optimizer step
 
     def __init__(self, ctx):
@@ -166,7 +155,7 @@ class AWM(ForwardProcessObjective):
         # the second KL's target: a copy of the weights, averaged once per epoch (train.awm_ema_beta > 0)
         self.ema = EMA(ctx.params, 0.0) if self.config.train.awm_ema_beta > 0 else None
         self.stateful = self.ema is not None
-        self.steps = 0  # optimizer steps so far (minibatches whose last loss term was computed)
+        self.steps = 0  # optimizer steps taken so far (after_step)
 
     @classmethod
     def validate(cls, config) -> list[tuple[str, bool, str]]:
@@ -180,27 +169,21 @@ class AWM(ForwardProcessObjective):
             ("train.awm_ema_decay", 0 <= t.awm_ema_decay < 1, f"must be in [0, 1), got {t.awm_ema_decay}"),
         ]
 
-    def loss(self, batch, idx, j, adv, valid):
-        """AWM on one noising draw per sample of minibatch ``idx``."""
-        ctx, t = self.ctx, self.config.train
-        sub, adv, weight = batch.traj[idx], adv[idx], valid[idx]
-        x0, x_t, sigma, timestep, eps = self.noised(sub, idx, j)
-        v_ref = v_ema = None
-        if t.kl_beta > 0:
-            with torch.no_grad(), ctx.adapter.reference():
-                v_ref = ctx.adapter.predict(x_t, timestep, sub.cond, 1.0, model=ctx.reference_model)
-        if self.ema is not None:  # before θ's forward: swapping weights in later would break its graph
-            with torch.no_grad(), self.ema.swapped_in():
-                v_ema = ctx.adapter.predict(x_t, timestep, sub.cond, 1.0, model=ctx.model)
-        if j == t.noise_draws - 1:
-            self.steps += 1
-        v_theta = ctx.adapter.predict(x_t, timestep, sub.cond, 1.0, model=ctx.model)
-        if adv.ndim == 2:  # one column per reward: the weighted sum
-            adv = adv @ ctx.reward_weights.to(adv)
+    def loss(self, mb, j):
+        """AWM on one noising draw per sample of the minibatch."""
+        ctx, t, cond = self.ctx, self.config.train, mb.traj.cond
+        x0, x_t, sigma, timestep, eps = self.noised(mb, j)
+        v_ref = ctx.predict(x_t, timestep, cond, policy="ref") if t.kl_beta > 0 else None
+        # before θ's forward: swapping weights in later would break its graph
+        v_ema = ctx.predict(x_t, timestep, cond, policy="old", weights=self.ema) if self.ema is not None else None
+        v_theta = ctx.predict(x_t, timestep, cond)
         time_weight = sigma.float() if t.awm_time_weighting == "sigma" else None
         power = t.awm_ghuber_power if t.awm_loss == "ghuber" else None
-        return awm_loss(v_theta, eps - x0, adv, time_weight=time_weight, ghuber_power=power, v_ref=v_ref,
-                        kl_beta=t.kl_beta, v_ema=v_ema, ema_beta=t.awm_ema_beta, weight=weight)
+        return awm_loss(v_theta, eps - x0, ctx.scalarise(mb.advantages), time_weight=time_weight, ghuber_power=power,
+                        v_ref=v_ref, kl_beta=t.kl_beta, v_ema=v_ema, ema_beta=t.awm_ema_beta, weight=mb.valid)
+
+    def after_step(self) -> None:
+        self.steps += 1  # the EMA's decay ramp counts optimizer steps taken
 
     def end_epoch(self, batch, epoch: int) -> dict[str, float]:
         if self.ema is None:

@@ -21,13 +21,12 @@ their ``beta_dpo``. On a group of two with advantages (+a, −a) the loss is
 loss as diffusers' train_diffusion_dpo.py computes it (scale −½·β_dpo), the same β. ``dgpo_loss``
 implements L.
 
-Equation numbers: we could not read the paper's text (no stored copy of its arXiv page or PDF
-answered), so none are cited; the objective above is the README's equation and the authors' code
+No equation numbers are cited: the objective above is the README's equation and the authors' code
 (Luo-Yihong/DGPO, ``compute_group_dgpo_loss_allreduce``, read, not copied).
 
 Term by term against the authors' code, and what we do:
-(i) group reward: Σ_i A_i·β·Δmse_i / k, as here. Until this revision ours had no 1/k, i.e. a
-margin k times sharper at the same β (the old numbers are reproduced by dgpo_beta × k).
+(i) group reward: Σ_i A_i·β·Δmse_i / k, as here (without the 1/k the margin is k times sharper at
+the same β).
 (ii) loss scale: their code back-propagates σ(βΣAΔ/k)·A·mse_θ with the sigmoid factor detached,
 averaged over samples; that is the gradient of L above divided by β. We take L itself (the
 objective the paper states; the constant matters only for gradient clipping and against the KL).
@@ -51,6 +50,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from flowalign.objectives.base import flow_matching_error, velocity_kl, weighted_mean
 
 
 def dgpo_loss(
@@ -83,7 +84,7 @@ def dgpo_loss(
         if kl is None:
             raise ValueError("kl_beta > 0 needs kl")
         w = torch.ones_like(kl) if weight is None else weight.float()
-        kl_mean = (kl.float() * w).sum() / w.sum().clamp(min=1.0)
+        kl_mean = weighted_mean(kl.float(), w)
         # β·kl_beta: the authors' balance, whose DGPO gradient is ours / β (see the module docstring)
         loss = loss + beta * kl_beta * kl_mean
     with torch.no_grad():
@@ -94,10 +95,9 @@ def dgpo_loss(
 
 # -- the objective (flowalign/objectives/base.py) ------------------------------------------------
 from dataclasses import dataclass  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
 
-from flowalign.objectives.base import register  # noqa: E402
-from flowalign.objectives.forward_process import ForwardProcessObjective, NoisingOptions, forward_draws  # noqa: E402
+from flowalign.objectives.base import register, whole_groups_rule  # noqa: E402
+from flowalign.objectives.forward_process import ForwardProcessObjective, NoisingOptions  # noqa: E402
 
 
 @dataclass
@@ -123,6 +123,7 @@ class DGPO(ForwardProcessObjective):
     rollout = "ode"
     predictions = ("velocity",)
     options = (NoisingOptions, DGPOOptions)
+    per_reward_advantages = True  # summed with the reward weights
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -132,8 +133,7 @@ class DGPO(ForwardProcessObjective):
     def validate(cls, config) -> list[tuple[str, bool, str]]:
         t = config.train
         return super().validate(config) + [
-            ("train.train_batch_size", t.train_batch_size % t.group_size == 0,
-             "must be a multiple of train.group_size for dgpo (a minibatch holds whole groups)"),
+            whole_groups_rule(config, "dgpo"),
             ("train.group_size", t.group_size >= 2, "must be at least 2 for dgpo (a group preference needs two)"),
             ("train.dgpo_beta", t.dgpo_beta > 0, "must be > 0"),
             ("train.dgpo_noise_levels", t.dgpo_noise_levels == 0
@@ -145,30 +145,20 @@ class DGPO(ForwardProcessObjective):
              "a reference copy only with train.kl_beta > 0)"),
         ]
 
-    def begin_update(self, batch) -> None:
-        n = self.config.train.dgpo_noise_levels
-        if n == 0:
-            return super().begin_update(batch)
-        # the timestep clip: draw among the first n schedule levels; indices still index the full schedule
-        traj = batch.traj
-        high_noise = SimpleNamespace(timesteps=traj.timesteps[:n], latents=traj.latents, samples=traj.samples)
-        self.draws = forward_draws(self.ctx.dist, high_noise, self.config.train.noise_draws, self.unit)
+    def levels(self, batch) -> int:
+        """The timestep clip: draws among the first train.dgpo_noise_levels schedule levels (0: all)."""
+        return self.config.train.dgpo_noise_levels or super().levels(batch)
 
-    def loss(self, batch, idx, j, adv, valid):
-        """DGPO on one noising draw shared by each group of minibatch ``idx`` (whole groups, in order)."""
-        ctx, t = self.ctx, self.config.train
-        sub, adv, weight = batch.traj[idx], adv[idx], valid[idx]
-        x0, x_t, _, timestep, eps = self.noised(sub, idx, j)
-        target = (eps - x0).flatten(1)
-        with torch.no_grad(), ctx.adapter.reference():
-            v_ref = ctx.adapter.predict(x_t, timestep, sub.cond, 1.0, model=ctx.reference_model)
-        mse_ref = ((v_ref.float().flatten(1) - target) ** 2).mean(1)
-        v_theta = ctx.adapter.predict(x_t, timestep, sub.cond, 1.0, model=ctx.model)
-        mse_theta = ((v_theta.float().flatten(1) - target) ** 2).mean(1)
-        if adv.ndim == 2:  # one column per reward: the weighted sum
-            adv = adv @ ctx.reward_weights.to(adv)
-        adv = torch.where(weight.bool(), adv, torch.zeros_like(adv))
-        kl = ((v_theta.float() - v_ref.float()) ** 2).flatten(1).mean(1) if t.kl_beta > 0 else None
+    def loss(self, mb, j):
+        """DGPO on one noising draw shared by each group of the minibatch (whole groups, in order)."""
+        ctx, t, cond = self.ctx, self.config.train, mb.traj.cond
+        x0, x_t, _, timestep, eps = self.noised(mb, j)
+        v_ref = ctx.predict(x_t, timestep, cond, policy="ref")
+        v_theta = ctx.predict(x_t, timestep, cond)
+        mse_ref, mse_theta = flow_matching_error(v_ref, eps - x0), flow_matching_error(v_theta, eps - x0)
+        adv = ctx.scalarise(mb.advantages)
+        adv = torch.where(mb.valid, adv, torch.zeros_like(adv))  # samples without a reward get weight 0
+        kl = velocity_kl(v_theta, v_ref) if t.kl_beta > 0 else None
         k = t.group_size
         return dgpo_loss(mse_theta.view(-1, k), mse_ref.view(-1, k), adv.view(-1, k), beta=t.dgpo_beta,
-                         kl=None if kl is None else kl.view(-1, k), kl_beta=t.kl_beta, weight=weight.view(-1, k))
+                         kl=None if kl is None else kl.view(-1, k), kl_beta=t.kl_beta, weight=mb.valid.view(-1, k))

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flowalign.objectives.base import weighted_mean
 from flowalign.samplers.flow_sde import reduce_elements
 
 KL_CONVENTIONS = ("exact", "flow_grpo")
@@ -53,6 +54,13 @@ def nonzero_advantage(advantages: torch.Tensor) -> torch.Tensor:
     """advantages [B] or [B, C] → bool [B]: some column has |A| > ZERO_ADVANTAGE_TOL."""
     a = advantages.abs() if advantages.ndim == 1 else advantages.abs().amax(dim=1)
     return a > ZERO_ADVANTAGE_TOL
+
+
+def gaussian_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor, weight: torch.Tensor,
+                reduction: str = "mean") -> torch.Tensor:
+    """The per-step Gaussian KL ‖μ − μ_ref‖² / (2·s²), reduced over elements like log p, averaged
+    over the samples that train. mean, ref_mean: [B, ...]; std: s, broadcastable; weight: [B]."""
+    return weighted_mean(reduce_elements((mean - ref_mean) ** 2 / (2 * std**2), reduction), weight)
 
 
 def flow_grpo_loss(
@@ -79,7 +87,6 @@ def flow_grpo_loss(
     Returns (loss scalar, stats: policy_loss, kl, ratio, clipfrac, approx_kl).
     """
     weight = torch.ones_like(log_prob) if weight is None else weight.float()
-    denom = weight.sum().clamp(min=1.0)
     ratio = torch.exp(log_prob - old_log_prob)
     per_reward = advantages.ndim == 2
     r = ratio[:, None] if per_reward else ratio
@@ -88,30 +95,30 @@ def flow_grpo_loss(
         if advantage_weights is None:
             raise ValueError("advantages with one column per reward need advantage_weights")
         objective = objective @ advantage_weights.to(objective)
-    policy_loss = (objective * weight).sum() / denom
+    policy_loss = weighted_mean(objective, weight)
     loss = policy_loss
     kl = torch.zeros((), device=log_prob.device)
     if beta > 0:
         if mean is None or ref_mean is None or std is None:
             raise ValueError("beta > 0 needs mean, ref_mean and std")
-        kl_per_sample = reduce_elements((mean - ref_mean) ** 2 / (2 * std**2), reduction)
-        kl = (kl_per_sample * weight).sum() / denom
+        kl = gaussian_kl(mean, ref_mean, std, weight, reduction)
         loss = loss + beta * kl
     with torch.no_grad():
         stats = {
             "policy_loss": policy_loss.detach(),
             "kl": kl.detach(),
-            "ratio": (ratio * weight).sum() / denom,
-            "clipfrac": (((ratio - 1).abs() > clip_range).float() * weight).sum() / denom,
-            "approx_kl": (0.5 * (log_prob - old_log_prob) ** 2 * weight).sum() / denom,
+            "ratio": weighted_mean(ratio, weight),
+            "clipfrac": weighted_mean(((ratio - 1).abs() > clip_range).float(), weight),
+            "approx_kl": weighted_mean(0.5 * (log_prob - old_log_prob) ** 2, weight),
         }
     return loss, stats
 
 
 # -- the objective (flowalign/objectives/base.py) ------------------------------------------------
-from flowalign.objectives.base import BaseObjective, register  # noqa: E402
+from flowalign.objectives.base import BaseObjective, Minibatch, Policy, register  # noqa: E402
 from flowalign.rollout import transition  # noqa: E402
-from flowalign.samplers.steps import plan_steps  # noqa: E402
+from flowalign.samplers.flow_sde import StepOutput  # noqa: E402
+from flowalign.samplers.steps import step_counts  # noqa: E402
 
 
 @dataclass
@@ -131,12 +138,15 @@ class FlowGRPO(BaseObjective):
     """Flow-GRPO: rescore each trained SDE step of the rollout under the current weights (the
     flow SDE of ``sampling.sde`` for velocity models; the DDIM step for ε-prediction ones, see
     ``DDPO``) and take the clipped-ratio loss, a KL to the reference when ``train.kl_beta`` > 0.
-    One loss term per trained step."""
+    One loss term per trained step. Takes per-reward advantages (DanceGRPO's one clipped
+    objective per reward)."""
 
     name = "flow_grpo"
     rollout = "sde"
     predictions = ("velocity",)
     options = (FlowGRPOOptions,)
+    per_reward_advantages = True
+    progress = ("clipfrac",)
     # the steps whose KL Flow-GRPO's convention (train.kl_convention: flow_grpo) is defined for
     flow_grpo_kl_steps: tuple[str, ...] = ("flow_grpo", "cps")
 
@@ -154,47 +164,49 @@ class FlowGRPO(BaseObjective):
                 ("train.zero_advantage", t.zero_advantage in ZERO_ADVANTAGE,
                  f"must be one of {', '.join(ZERO_ADVANTAGE)}, got {t.zero_advantage!r}")]
 
-    def trained_weight(self, sub, j: int, adv: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def trained_weight(self, mb: Minibatch, j: int) -> torch.Tensor:
         """bool [b]: the minibatch's samples that train step j (trained there, valid reward, and a
-        nonzero advantage under ``train.zero_advantage: drop``). adv, valid: this minibatch's."""
-        weight = sub.trained[:, j] & valid
+        nonzero advantage under ``train.zero_advantage: drop``)."""
+        weight = mb.traj.trained[:, j] & mb.valid
         if self.config.train.zero_advantage == "drop":
-            weight = weight & nonzero_advantage(adv).to(weight.device)
+            weight = weight & nonzero_advantage(mb.advantages).to(weight.device)
         return weight
 
     @classmethod
     def num_terms(cls, config) -> int:
-        s = config.sampling
-        return int((plan_steps(s.num_steps, 1, s.eta, s.step_mode, fraction=s.fraction, window_size=s.window_size,
-                               window_start=s.window_start, generator=torch.Generator()).noise_levels > 0).sum())
+        return step_counts(config.sampling)[0]
 
     def terms(self, batch) -> list[int]:
         levels = batch.traj.noise_levels
         return [j for j in range(len(levels)) if levels[j] > 0]
 
-    def loss(self, batch, idx, j, adv, valid):
-        ctx, t, s = self.ctx, self.config.train, self.config.sampling
-        sub = batch.traj[idx]
-        adv = adv[idx]
-        weight = self.trained_weight(sub, j, adv, valid[idx])
-        x, x_next = sub.latents[:, j], sub.latents[:, j + 1]
-        args = (ctx.adapter, x, j, sub.schedule, float(sub.noise_levels[j]), sub.cond, s.guidance_scale)
-        scale = None if sub.std_scales is None else sub.std_scales[:, j]  # the std each sample was drawn with
-        out = transition(*args, sde=s.sde, prev_sample=x_next, reduction=s.log_prob_reduction, model=ctx.model,
-                         std_scale=scale)
-        ref_mean = None
-        if t.kl_beta > 0:
-            with torch.no_grad(), ctx.adapter.reference():
-                ref_mean = transition(*args, sde=s.sde, prev_sample=x_next, reduction=s.log_prob_reduction,
-                                      model=ctx.reference_model, std_scale=scale).mean
+    def transition(self, mb: Minibatch, j: int, policy: Policy = "theta", weights=None) -> StepOutput:
+        """Step j of the minibatch's rollouts rescored under ``policy`` (``Context.policy``): the
+        recorded x' scored with the std each sample was drawn with."""
+        ctx, s, sub = self.ctx, self.config.sampling, mb.traj
+        scale = None if sub.std_scales is None else sub.std_scales[:, j]
+        with ctx.policy(policy, weights) as model:
+            return transition(ctx.adapter, sub.latents[:, j], j, sub.schedule, float(sub.noise_levels[j]), sub.cond,
+                              s.guidance_scale, sde=s.sde, prev_sample=sub.latents[:, j + 1],
+                              reduction=s.log_prob_reduction, model=model, std_scale=scale)
+
+    def rescore(self, mb: Minibatch, j: int) -> tuple[StepOutput, torch.Tensor | None]:
+        """(θ's transition of step j, the reference's transition mean when ``train.kl_beta`` > 0)."""
+        out = self.transition(mb, j)
+        ref_mean = self.transition(mb, j, "ref").mean if self.config.train.kl_beta > 0 else None
+        return out, ref_mean
+
+    def loss(self, mb, j):
+        t, s, sub = self.config.train, self.config.sampling, mb.traj
+        out, ref_mean = self.rescore(mb, j)
         std = out.std
         if t.kl_beta > 0 and t.kl_convention != "exact":
             std = kl_std(std, float(sub.schedule.sigmas[j]), float(sub.schedule.sigmas[j + 1]),
                          convention=t.kl_convention, sde=s.sde)
-        return flow_grpo_loss(out.log_prob, sub.log_probs[:, j], adv, clip_range=t.clip_range, beta=t.kl_beta,
-                              mean=out.mean, ref_mean=ref_mean, std=std, weight=weight,
-                              reduction=s.log_prob_reduction,
-                              advantage_weights=ctx.reward_weights if adv.ndim == 2 else None)
+        return flow_grpo_loss(out.log_prob, sub.log_probs[:, j], mb.advantages, clip_range=t.clip_range,
+                              beta=t.kl_beta, mean=out.mean, ref_mean=ref_mean, std=std,
+                              weight=self.trained_weight(mb, j), reduction=s.log_prob_reduction,
+                              advantage_weights=self.ctx.reward_weights if mb.advantages.ndim == 2 else None)
 
 
 @register

@@ -1,5 +1,5 @@
-"""What the forward-process objectives (DiffusionNFT, GDRO) share: noising draws of the final
-samples from each shard's noise stream, and the noised copies x_t they train on."""
+"""What the forward-process objectives (DiffusionNFT, GDRO, AWM, DGPO) share: noising draws of the
+final samples from each shard's noise stream, and the noised copies x_t they train on."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flowalign.objectives.base import BaseObjective
+from flowalign.objectives.base import BaseObjective, Minibatch, Rule
 from pipelines.base import NoisesForward
 
 
@@ -16,17 +16,18 @@ class NoisingOptions:
     noise_draws: int = 4  # noising draws (distinct schedule σ's) per sample per minibatch (train.noise_draws)
 
 
-def forward_draws(dist, traj, k: int, share: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Noising draws for one inner epoch, from each shard's noise stream: schedule indices long
-    [B, k] (k distinct steps per sample) and noise [B, k, ...]; ``share`` consecutive samples (a
-    GDRO group, an NFT group under train.nft_shared_noising) get the same draws."""
-    n_steps = len(traj.timesteps)
-    per_shard = len(traj.latents) // len(dist.streams) // share
+def forward_draws(dist, n: int, levels: int, shape: tuple[int, ...], k: int,
+                  share: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Noising draws for one inner epoch of ``n`` samples of ``shape``, from each shard's noise
+    stream: schedule indices long [n, k] (k distinct steps per sample among the first ``levels``)
+    and noise [n, k, *shape]; ``share`` consecutive samples (a GDRO / DGPO group, an NFT group under
+    train.nft_shared_noising) get the same draws."""
+    per_shard = n // len(dist.streams) // share
     indices, noise = [], []
     for streams in dist.streams:
         g = streams["noise"]
-        indices.append(torch.rand(per_shard, n_steps, generator=g).argsort(dim=1)[:, :k])
-        noise.append(torch.randn(per_shard, k, *traj.samples.shape[1:], generator=g))
+        indices.append(torch.rand(per_shard, levels, generator=g).argsort(dim=1)[:, :k])
+        noise.append(torch.randn(per_shard, k, *shape, generator=g))
     return (torch.cat(indices).repeat_interleave(share, dim=0).to(dist.device),
             torch.cat(noise).repeat_interleave(share, dim=0).to(dist.device))
 
@@ -44,15 +45,10 @@ def noised(adapter, sub, step: torch.Tensor, eps: torch.Tensor, own_noising: boo
     return x0, (1 - s) * x0 + s * eps, sigma, timestep
 
 
-def draw_rules(config) -> list[tuple[str, bool, str]]:
-    return [("train.noise_draws", 1 <= config.train.noise_draws <= config.sampling.num_steps,
-             "must be between 1 and sampling.num_steps")]
-
-
 class ForwardProcessObjective(BaseObjective):
     """The loop members of an objective on the forward process: ``train.noise_draws`` loss terms
     per minibatch, one per noising draw, drawn once per update for every sample (``unit``
-    consecutive samples share theirs)."""
+    consecutive samples share theirs) among the first ``levels(config)`` schedule levels."""
 
     options = (NoisingOptions,)
 
@@ -62,20 +58,27 @@ class ForwardProcessObjective(BaseObjective):
         self.own_noising = isinstance(ctx.adapter, NoisesForward)  # the capability, checked once
 
     @classmethod
-    def validate(cls, config) -> list[tuple[str, bool, str]]:
-        return draw_rules(config)
+    def validate(cls, config) -> list[Rule]:
+        return [("train.noise_draws", 1 <= config.train.noise_draws <= config.sampling.num_steps,
+                 "must be between 1 and sampling.num_steps")]
 
     @classmethod
     def num_terms(cls, config) -> int:
         return config.train.noise_draws
 
+    def levels(self, batch) -> int:
+        """How many schedule levels (from the noisiest) the draws choose among: all of them."""
+        return len(batch.traj.timesteps)
+
     def terms(self, batch) -> list[int]:
         return list(range(self.config.train.noise_draws))
 
     def begin_update(self, batch) -> None:
-        self.draws = forward_draws(self.ctx.dist, batch.traj, self.config.train.noise_draws, self.unit)
+        traj = batch.traj
+        self.draws = forward_draws(self.ctx.dist, len(traj.latents), self.levels(batch), tuple(traj.samples.shape[1:]),
+                                   self.config.train.noise_draws, self.unit)
 
-    def noised(self, sub, idx: torch.Tensor, j: int):
-        """Draw j of minibatch ``idx`` (``sub`` = its trajectory): (x0, x_t, σ [b], timestep [b], ε)."""
-        eps = self.draws[1][idx, j]
-        return (*noised(self.ctx.adapter, sub, self.draws[0][idx, j], eps, self.own_noising), eps)
+    def noised(self, mb: Minibatch, j: int):
+        """Draw j of minibatch ``mb``: (x0, x_t, σ [b], timestep [b], ε)."""
+        eps = self.draws[1][mb.idx, j]
+        return (*noised(self.ctx.adapter, mb.traj, self.draws[0][mb.idx, j], eps, self.own_noising), eps)

@@ -75,7 +75,7 @@ def gdro_loss(
 # -- the objective (flowalign/objectives/base.py) ------------------------------------------------
 from dataclasses import dataclass  # noqa: E402
 
-from flowalign.objectives.base import register  # noqa: E402
+from flowalign.objectives.base import flow_matching_error, register, whole_groups_rule  # noqa: E402
 from flowalign.objectives.forward_process import ForwardProcessObjective, NoisingOptions  # noqa: E402
 
 
@@ -106,27 +106,19 @@ class GDRO(ForwardProcessObjective):
 
     @classmethod
     def validate(cls, config) -> list[tuple[str, bool, str]]:
-        t = config.train
-        return super().validate(config) + [
-            ("train.train_batch_size", t.train_batch_size % t.group_size == 0,
-             "must be a multiple of train.group_size for gdro and train.nft_shared_noising (a minibatch holds whole "
-             "groups)"),
-            ("train.gdro_tau", t.gdro_tau > 0, "must be > 0"),
-        ]
+        return super().validate(config) + [whole_groups_rule(config, "gdro"),
+                                           ("train.gdro_tau", config.train.gdro_tau > 0, "must be > 0")]
 
-    def loss(self, batch, idx, j, adv, valid):
+    def loss(self, mb, j):
         """GDRO on one noising draw shared by each group: the minibatch's samples are whole groups
         in order. A group with a dropped (NaN) reward is left out."""
-        ctx, t = self.ctx, self.config.train
-        sub, rewards = batch.traj[idx], batch.rewards.to(ctx.dist.device)[idx]
-        x0, x_t, _, timestep, eps = self.noised(sub, idx, j)
-        target = (eps - x0).flatten(1)
-        with torch.no_grad(), ctx.adapter.reference():
-            mse_ref = ((ctx.adapter.predict(x_t, timestep, sub.cond, 1.0).float().flatten(1) - target) ** 2).mean(1)
-        v_theta = ctx.adapter.predict(x_t, timestep, sub.cond, 1.0, model=ctx.model)
-        mse_theta = ((v_theta.float().flatten(1) - target) ** 2).mean(1)
+        ctx, t, cond = self.ctx, self.config.train, mb.traj.cond
+        x0, x_t, _, timestep, eps = self.noised(mb, j)
+        mse_ref = flow_matching_error(ctx.predict(x_t, timestep, cond, policy="ref"), eps - x0)
+        v_theta = ctx.predict(x_t, timestep, cond)
+        mse_theta = flow_matching_error(v_theta, eps - x0)
         k = t.group_size
-        rewards = rewards.view(-1, k)
+        rewards = mb.rewards.view(-1, k)
         keep = torch.isfinite(rewards).all(dim=1)
         if not keep.any():  # nothing to compare; a zero loss that still touches every weight
             return (v_theta * 0).sum(), {"policy_loss": torch.zeros(())}

@@ -23,17 +23,14 @@ push, ⟨z, (1 + η²/2)·∇_θ v⟩ (the paper's "gradient reweighting that eq
 noise conditions"). With an already normalised ratio (bias 0, s = 1) and |dt| = 1 (or the
 reweighting off) the loss is Flow-GRPO's exactly; on-policy Δμ = 0 and r̃ = 1.
 
-Equation numbers: we could not read the paper's text (the stored arXiv page returned only its
-abstract), so none are cited. The forms above are the ones two public ports agree on, read, not
+No equation numbers are cited: the forms above are the ones two public ports agree on, read, not
 copied: verl-omni's ``GRPOGuardLoss`` (ratio exp((log r + ‖Δμ‖²_mean/(2s²))·s), the per-step loss
 divided by sqrt(−dt)²) and Flow-Factory's ``GRPOGuardTrainer`` (the same ratio, without the 1/|dt|);
 a published summary of the CVPR 2026 version names the two parts "RatioNorm … mean of 1" and "1/dt
 gradient reweighting". (Another summary describes RatioNorm as standardising each step's ratios by
 their batch mean and std; no port does that, and the closed form above is what removes the bias and
 the 1/s, for every sample alone.) ``grpo_guard_loss`` implements L_t + β·KL_t; ``ratio_norm``
-implements log r̃.
-Before this revision the 1/|dt| was missing (the docstring took RatioNorm's factor s for the
-reweighting); ``train.guard_step_weight: none`` keeps that form.
+implements log r̃. ``train.guard_step_weight: none`` leaves the 1/|dt| out (Flow-Factory's form).
 
 Decisions and what the paper leaves open: (i) ‖Δμ‖² is reduced over elements like the log-probs
 (``sampling.log_prob_reduction``), so mean and sum reductions give the same r̃ up to the element
@@ -53,7 +50,8 @@ from __future__ import annotations
 
 import torch
 
-from flowalign.objectives.flow_grpo import flow_grpo_loss
+from flowalign.objectives.flow_grpo import flow_grpo_loss, gaussian_kl
+from flowalign.objectives.base import weighted_mean
 from flowalign.samplers.flow_sde import reduce_elements
 
 
@@ -77,36 +75,38 @@ def grpo_guard_loss(
     step_weight: float = 1.0,
     reduction: str = "mean",
     beta: float = 0.0,
-    **flow_grpo_kwargs,
+    ref_mean: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    advantage_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO-Guard loss L_t of one step for a minibatch: ``step_weight`` (the reweighting, 1/|dt|)
-    times Flow-GRPO's policy term (``flow_grpo_loss``) on the RatioNorm'd ratio, plus β times
-    Flow-GRPO's KL (not reweighted). Remaining keywords pass through: ref_mean, weight, advantage_weights.
+    times Flow-GRPO's policy term (``flow_grpo_loss`` at β = 0) on the RatioNorm'd ratio, plus β
+    times Flow-GRPO's Gaussian KL (``gaussian_kl``, not reweighted).
 
-    log_prob (with grad), old_log_prob: [B]; advantages: [B] or [B, C]; mean (with grad), old_mean:
-    [B, ...] the step's transition means under θ and the rollout policy; std: the transition std,
-    broadcastable to mean, one value per sample; step_weight: a scalar. Returns (loss scalar, stats:
-    Flow-GRPO's, with ``ratio`` / ``clipfrac`` of r̃ and ``policy_loss`` the reweighted policy term,
-    plus raw_ratio, the unnormalised ratio's mean).
+    log_prob (with grad), old_log_prob: [B]; advantages: [B] or [B, C] (with advantage_weights [C]);
+    mean (with grad), old_mean, ref_mean: [B, ...] the step's transition means under θ, the rollout
+    policy and the reference (ref_mean needed when β > 0); std: the transition std, broadcastable to
+    mean, one value per sample; step_weight: a scalar; weight: [B] in {0, 1}. Returns (loss scalar,
+    stats: Flow-GRPO's, with ``ratio`` / ``clipfrac`` of r̃ and ``policy_loss`` the reweighted policy
+    term, plus raw_ratio, the unnormalised ratio's mean).
     """
     scale = std.float().expand_as(mean).reshape(mean.shape[0], -1)[:, 0]  # [B]: one std per sample
     shift = reduce_elements((mean.float() - old_mean.detach().float()) ** 2, reduction)
     log_ratio = log_prob - old_log_prob
     normed = ratio_norm(log_ratio, shift, scale)
-    common = dict(clip_range=clip_range, mean=mean, std=std, reduction=reduction, **flow_grpo_kwargs)
-    # Flow-GRPO's loss twice: its policy term alone (β = 0), which the reweighting scales, and with
-    # its KL; the KL is their difference, kept at its Flow-GRPO strength.
-    policy, stats = flow_grpo_loss(old_log_prob + normed, old_log_prob, advantages, **common)
+    policy, stats = flow_grpo_loss(old_log_prob + normed, old_log_prob, advantages, clip_range=clip_range,
+                                   weight=weight, advantage_weights=advantage_weights)
     loss = step_weight * policy
+    w = torch.ones_like(log_ratio) if weight is None else weight.float()
     if beta > 0:
-        with_kl, kl_stats = flow_grpo_loss(old_log_prob + normed, old_log_prob, advantages, beta=beta, **common)
-        loss = loss + (with_kl - policy)
-        stats["kl"] = kl_stats["kl"]
+        if ref_mean is None:
+            raise ValueError("beta > 0 needs ref_mean")
+        kl = gaussian_kl(mean, ref_mean, std, w, reduction)
+        loss = loss + beta * kl
+        stats["kl"] = kl.detach()
     with torch.no_grad():
         stats["policy_loss"] = step_weight * stats["policy_loss"]
-        w = flow_grpo_kwargs.get("weight")
-        w = torch.ones_like(log_ratio) if w is None else w.float()
-        stats["raw_ratio"] = (torch.exp(log_ratio) * w).sum() / w.sum().clamp(min=1.0)
+        stats["raw_ratio"] = weighted_mean(torch.exp(log_ratio), w)
     return loss, stats
 
 
@@ -116,7 +116,6 @@ from dataclasses import dataclass  # noqa: E402
 from flowalign.ema import EMA  # noqa: E402
 from flowalign.objectives.base import register  # noqa: E402
 from flowalign.objectives.flow_grpo import FlowGRPO  # noqa: E402
-from flowalign.rollout import transition  # noqa: E402
 
 GUARD_SDES = ("flow_grpo", "dance_grpo", "dance_grpo_euler")
 GUARD_STEP_WEIGHTS = ("inverse_dt", "none")
@@ -128,8 +127,7 @@ class GRPOGuardOptions:
 
     # The paper's gradient reweighting of each trained step's policy loss: "inverse_dt" multiplies it
     # by 1/(σ − σ') of the step, so every step moves the velocity by a comparable amount
-    # (verl-omni's port: loss / sqrt(−dt)²); "none" leaves RatioNorm alone (Flow-Factory's port, and
-    # this objective before the reweighting was added).
+    # (verl-omni's port: loss / sqrt(−dt)²); "none" leaves RatioNorm alone (Flow-Factory's port).
     guard_step_weight: str = "inverse_dt"
 
 
@@ -162,33 +160,22 @@ class GRPOGuard(FlowGRPO):
     def sampling_weights(self):
         return self.rollout_policy.swapped_in()
 
-    def loss(self, batch, idx, j, adv, valid):
-        ctx, t, s = self.ctx, self.config.train, self.config.sampling
-        sub = batch.traj[idx]
+    def loss(self, mb, j):
+        t, s, sub = self.config.train, self.config.sampling, mb.traj
         if sub.std_scales is not None:
             raise ValueError("grpo_guard needs one transition std per sample and step; a per-element exploration "
                              "std (EXPLORENET) has none")
-        weight = self.trained_weight(sub, j, adv[idx], valid[idx])
-        x, x_next = sub.latents[:, j], sub.latents[:, j + 1]
-        args = (ctx.adapter, x, j, sub.schedule, float(sub.noise_levels[j]), sub.cond, s.guidance_scale)
-        kwargs = dict(sde=s.sde, prev_sample=x_next, reduction=s.log_prob_reduction)
-        with torch.no_grad():  # before θ's forward: swapping weights in later would break its graph
-            with self.rollout_policy.swapped_in():
-                old_mean = transition(*args, **kwargs, model=ctx.model).mean
-            ref_mean = None
-            if t.kl_beta > 0:
-                with ctx.adapter.reference():
-                    ref_mean = transition(*args, **kwargs, model=ctx.reference_model).mean
-        out = transition(*args, **kwargs, model=ctx.model)
-        adv = adv[idx]
+        # the rollout policy's mean first: swapping its weights in after θ's forward would break θ's graph
+        old_mean = self.transition(mb, j, "old", self.rollout_policy).mean
+        out, ref_mean = self.rescore(mb, j)
         step_weight = 1.0
         if t.guard_step_weight == "inverse_dt":
             step_weight = 1.0 / float(sub.schedule.sigmas[j] - sub.schedule.sigmas[j + 1])  # 1/|dt|
-        return grpo_guard_loss(out.log_prob, sub.log_probs[:, j], adv, mean=out.mean, old_mean=old_mean, std=out.std,
-                               clip_range=t.clip_range, step_weight=step_weight, reduction=s.log_prob_reduction,
-                               beta=t.kl_beta,
-                               ref_mean=ref_mean, weight=weight,
-                               advantage_weights=ctx.reward_weights if adv.ndim == 2 else None)
+        return grpo_guard_loss(out.log_prob, sub.log_probs[:, j], mb.advantages, mean=out.mean,
+                               old_mean=old_mean, std=out.std, clip_range=t.clip_range, step_weight=step_weight,
+                               reduction=s.log_prob_reduction, beta=t.kl_beta, ref_mean=ref_mean,
+                               weight=self.trained_weight(mb, j),
+                               advantage_weights=self.ctx.reward_weights if mb.advantages.ndim == 2 else None)
 
     def end_epoch(self, batch, epoch: int) -> dict[str, float]:
         self.rollout_policy.update()  # the weights that sample the next epoch

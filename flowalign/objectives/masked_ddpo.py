@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from flowalign.objectives.base import weighted_mean
 from pipelines.unmasking import score_step
 
 
@@ -70,8 +71,10 @@ def masked_ddpo_loss(
     policy_loss, kl, entropy, ratio, clipfrac, approx_kl).
     """
     weight = unmask.any(-1).float() if weight is None else weight.float()
-    denom = weight.sum().clamp(min=1.0)
-    mean = lambda values: (values * weight).sum() / denom  # noqa: E731
+
+    def mean(values: torch.Tensor) -> torch.Tensor:
+        return weighted_mean(values, weight)
+
     log_prob = score_step(logits, next_tokens, unmask, temperature=temperature).log_prob
     ratio = torch.exp(log_prob - old_log_prob)
     clipped = torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
@@ -94,7 +97,6 @@ def masked_ddpo_loss(
     return loss, stats
 
 
-
 # -- the objective (flowalign/objectives/base.py) ------------------------------------------------
 from dataclasses import dataclass  # noqa: E402
 
@@ -106,14 +108,14 @@ class MaskedDDPOOptions:
     entropy_coef: float = 0.0  # entropy bonus (train.entropy_coef): L − c_H·H of each step's categoricals
 
 
-def masked_trained_steps(num_steps: int, schedule: str) -> list[int]:
-    """The unmasking steps that unmask at least one position of a fully masked sequence (the
-    trainer's rollouts: prompts carry no partial board, so every sample follows these counts); a
-    step that unmasks nothing (e.g. the first cosine step) has no log-prob to train."""
+def masked_trained_steps(num_steps: int, schedule: str, length: int) -> list[int]:
+    """The unmasking steps that unmask at least one position of a fully masked sequence of
+    ``length`` (the family's ``sequence_length``; the trainer's rollouts: prompts carry no partial
+    state, so every sample follows these counts); a step that unmasks nothing (e.g. the first
+    cosine step) has no log-prob to train."""
     from pipelines.unmasking import unmask_counts
-    from pipelines.chess_tokenizer import SEQ_LEN
 
-    counts = unmask_counts(torch.tensor([SEQ_LEN]), num_steps, schedule)[0]
+    counts = unmask_counts(torch.tensor([length]), num_steps, schedule)[0]
     return [j for j in range(num_steps) if counts[j + 1] > counts[j]]
 
 
@@ -128,11 +130,12 @@ class MaskedDDPO(BaseObjective):
     rollout = "unmasking"
     predictions = ("logits",)
     options = (MaskedDDPOOptions,)
+    progress = ("clipfrac",)
 
     def __init__(self, ctx):
         super().__init__(ctx)
         s = self.config.sampling
-        self.steps = masked_trained_steps(s.num_steps, s.unmask_schedule)
+        self.steps = masked_trained_steps(s.num_steps, s.unmask_schedule, ctx.adapter.sequence_length)
 
     @classmethod
     def validate(cls, config) -> list[tuple[str, bool, str]]:
@@ -141,32 +144,36 @@ class MaskedDDPO(BaseObjective):
                 ("train.entropy_coef", config.train.entropy_coef >= 0, "must be ≥ 0")]
 
     @classmethod
+    def sampler_text(cls, config, prediction: str) -> str:
+        s = config.sampling
+        return (f"unmasking steps ({s.unmask_schedule} schedule, temperature {s.temperature:g}), {s.num_steps} steps, "
+                f"CFG {s.guidance_scale:g}")
+
+    @classmethod
     def validate_family(cls, config) -> list[tuple[str, bool, str]]:
         """What masked discrete diffusion does not support."""
         return [
             ("sampling.step_mode", config.sampling.step_mode == "all",
              "must be all for masked diffusion (every unmasking step is sampled from the policy and trained)"),
-            ("train.per_reward_advantages", not config.train.per_reward_advantages,
-             "is not supported for masked diffusion (one advantage per sample)"),
         ]
 
     @classmethod
     def num_terms(cls, config) -> int:
-        return len(masked_trained_steps(config.sampling.num_steps, config.sampling.unmask_schedule))
+        from pipelines import adapter_class
+
+        s = config.sampling
+        length = adapter_class(config.model.family).sequence_length
+        return len(masked_trained_steps(s.num_steps, s.unmask_schedule, length))
 
     def terms(self, batch) -> list[int]:
         return self.steps
 
-    def loss(self, batch, idx, j, adv, valid):
-        ctx, t, s = self.ctx, self.config.train, self.config.sampling
-        sub = batch.traj[idx]
+    def loss(self, mb, j):
+        t, s, sub = self.config.train, self.config.sampling, mb.traj
         x = sub.states[:, j]
-        logits = ctx.adapter.predict(x, None, sub.cond, s.guidance_scale, model=ctx.model)
-        ref_logits = None
-        if t.kl_beta > 0:
-            with torch.no_grad(), ctx.adapter.reference():
-                ref_logits = ctx.adapter.predict(x, None, sub.cond, s.guidance_scale, model=ctx.reference_model)
-        return masked_ddpo_loss(logits, sub.states[:, j + 1], sub.unmask[:, j], sub.log_probs[:, j], adv[idx],
+        logits = self.ctx.predict(x, None, sub.cond, s.guidance_scale)
+        ref_logits = self.ctx.predict(x, None, sub.cond, s.guidance_scale, policy="ref") if t.kl_beta > 0 else None
+        return masked_ddpo_loss(logits, sub.states[:, j + 1], sub.unmask[:, j], sub.log_probs[:, j], mb.advantages,
                                 clip_range=t.clip_range, ref_logits=ref_logits, beta=t.kl_beta,
                                 entropy_coef=t.entropy_coef, temperature=s.temperature,
-                                weight=sub.trained[:, j] & valid[idx])
+                                weight=sub.trained[:, j] & mb.valid)

@@ -13,7 +13,9 @@ step samples x' ~ N(μ, std²) with
 CPS (coefficient-preserving) and DanceGRPO are documented at their functions. Every step also
 returns x̂0 = x − σ·v, the clean sample the model predicts (DanceGRPO decodes the last step's x̂0;
 that is the Euler step to σ' = 0 our rollouts end with, so the two decode the same image). All
-steps need σ' > 0 (std or drift is undefined at σ' = 0): the last step is an ``ode_step``. All arithmetic is
+Flow-GRPO's and DanceGRPO's steps are defined at σ' = 0 too (std σ_t·sqrt(σ) and η·sqrt(σ), as their
+sources compute the last step; Flow-GRPO trains it with ``timestep_fraction`` 1); CPS is not (its std
+σ'·sin(ηπ/2) is 0 there). Our rollouts end with the deterministic ``ode_step``. All arithmetic is
 float32 whatever the model's dtype. The log-density is reduced over every
 non-batch element by ``"mean"`` (what Flow-GRPO and DanceGRPO do; clip ranges are then ~1e-4)
 or ``"sum"`` (the true log-density of the whole latent).
@@ -74,13 +76,14 @@ def ode_step(v: torch.Tensor, x: torch.Tensor, sigma, sigma_next) -> torch.Tenso
     return x32 + dt * v.float()
 
 
-def _step_inputs(v, x, sigma, sigma_next, eta, step: str):
+def _step_inputs(v, x, sigma, sigma_next, eta, step: str, positive_next: bool = False):
     """float32 x, v [B, ...]; σ, σ' as [B, 1, ...]; η as [B, 1, ...] or, per element, x's shape.
-    ValueError naming ``step`` when some σ' ≤ 0: the stochastic steps have no density there."""
+    ``positive_next``: ValueError naming ``step`` when some σ' ≤ 0 (CPS: its std σ'·sin(ηπ/2) is 0
+    there, so the step has no density)."""
     given = torch.as_tensor(sigma_next)  # checked where it lives (the schedule's CPU tensor): no device sync
-    if bool((given <= 0).any()):
+    if positive_next and bool((given <= 0).any()):
         raise ValueError(f"the {step} step needs σ' > 0 (got σ' = {given.flatten().tolist()}): at σ' = 0 its "
-                         "std or drift is undefined; the last step of a rollout is the deterministic ode_step")
+                         "std is 0 and it has no density; the last step of a rollout is the deterministic ode_step")
     x32, v32 = x.float(), v.float()
     eta = torch.as_tensor(eta, dtype=torch.float32, device=x.device)
     eta = eta if eta.shape == x.shape else _per_sample(eta, x32)
@@ -122,7 +125,8 @@ def flow_grpo_sde_step(
     ([B, ...], standard normal) to sample x' = μ + std·noise, or ``prev_sample`` to score a given
     x'. ``sigma_fallback`` replaces σ in the denominator 1 − σ where σ = 1 (Flow-GRPO uses the
     schedule's σ_1). ``std_scale`` ([B, ...], > 0) multiplies the std element-wise and leaves
-    the mean as it is (EXPLORENET). Requires σ' > 0 and η > 0: the last step is an ``ode_step``.
+    the mean as it is (EXPLORENET). Requires η > 0; σ' = 0 gives std σ_t·sqrt(σ), as
+    Flow-GRPO's ``sde_step_with_logprob`` computes its last step.
     """
     _check_one_of(noise, prev_sample)
     x32, v32, s, s_next, eta = _step_inputs(v, x, sigma, sigma_next, eta, "flow_grpo")
@@ -159,7 +163,7 @@ def cps_step(
     are not ours). Requires σ' > 0 and η > 0: the last step is an ``ode_step``.
     """
     _check_one_of(noise, prev_sample)
-    x32, v32, s, s_next, eta = _step_inputs(v, x, sigma, sigma_next, eta, "cps")
+    x32, v32, s, s_next, eta = _step_inputs(v, x, sigma, sigma_next, eta, "cps", positive_next=True)
     std = s_next * torch.sin(eta * math.pi / 2)
     x0_hat, eps_hat = x32 - s * v32, x32 + (1 - s) * v32
     mean = (1 - s_next) * x0_hat + torch.sqrt((s_next**2 - std**2).clamp(min=0)) * eps_hat
@@ -187,7 +191,8 @@ def dance_grpo_sde_step(
     Same arguments as ``flow_grpo_sde_step``; it equals that step with σ_t ≡ η, i.e. the same
     drift correction under a flat noise schedule (``sigma_fallback`` is unused). ``score_term``
     False is its ``sde_solver=False``: μ = x + v·dt, the Euler mean with noise added (the sample
-    marginals then drift from the ODE's; ``sampling.sde: dance_grpo_euler``).
+    marginals then drift from the ODE's; ``sampling.sde: dance_grpo_euler``). σ' = 0 gives std
+    η·sqrt(σ), as ``flux_step`` computes its last step.
     """
     _check_one_of(noise, prev_sample)
     x32, v32, s, s_next, eta = _step_inputs(v, x, sigma, sigma_next, eta, "dance_grpo")

@@ -81,3 +81,13 @@ def sliding_window_start(epoch: int, num_steps: int, window_size: int, shift_eve
     if shift_every < 1 or stride < 1:
         raise ValueError(f"shift_every and stride must be ≥ 1, got {shift_every} and {stride}")
     return min(start + stride * (epoch // shift_every), num_steps - 1 - window_size)
+
+
+def step_counts(sampling) -> tuple[int, int]:
+    """(stochastic steps, steps trained per sample) of the ``sampling`` section's plan: the loss
+    terms of an objective on SDE log-probabilities, and what each sample trains of them (fewer
+    under ``step_mode: fraction``). Neither depends on where a random window starts."""
+    s = sampling
+    plan = plan_steps(s.num_steps, 1, s.eta, s.step_mode, fraction=s.fraction, window_size=s.window_size,
+                      window_start=s.window_start if s.window_start is not None else 0)
+    return int((plan.noise_levels > 0).sum()), int(plan.trained.sum())
