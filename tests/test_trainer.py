@@ -212,3 +212,40 @@ def test_a_trainer_is_freed_without_the_garbage_collector(tiny_sd3_dir, tmp_path
         assert alive() is None
     finally:
         gc.enable()
+
+
+def test_a_step_trained_by_some_samples_rescores_those_alone_with_the_same_loss_and_gradient(tiny_sd3_dir, tmp_path):
+    """step_mode fraction: FlowGRPO.loss rescores only the rows that train step j; the loss, its
+    statistics and the LoRA gradient equal the whole minibatch's rescoring with the untrained rows
+    weighted 0 (what it computed before), to float tolerance."""
+    from flowalign.objectives.base import Minibatch
+    from flowalign.objectives.flow_grpo import flow_grpo_loss
+
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, "train.epochs=1", "sampling.step_mode=fraction",
+                                  "sampling.fraction=0.4"))
+    batch = trainer.sample_epoch()
+    advantages, _ = trainer.compute_advantages(batch)
+    objective, params = trainer.objective, [p for p in trainer.params if p.requires_grad]
+    mb = Minibatch.of(batch, torch.arange(len(batch.specs)), torch.nan_to_num(advantages), advantages.isfinite())
+    partial = [j for j in objective.terms(batch) if 0 < int(mb.traj.trained[:, j].sum()) < len(batch.specs)]
+    assert partial, "the plan trains every step for every sample: nothing to compare"
+    trainer.model.train()
+    seen = []
+    hook = trainer.adapter.model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(
+        len(kwargs.get("hidden_states", args[0] if args else None))), with_kwargs=True)
+    for j in partial:
+        seen.clear()
+        loss, stats = objective.loss(mb, j)
+        assert seen == [int(mb.traj.trained[:, j].sum())]  # the denoiser ran on the trained rows only
+        fast = torch.autograd.grad(loss, params)
+        out = objective.transition(mb, j)  # the whole minibatch, untrained rows weighted 0
+        whole, whole_stats = flow_grpo_loss(out.log_prob, mb.traj.log_probs[:, j], mb.advantages,
+                                            clip_range=trainer.config.train.clip_range,
+                                            weight=objective.trained_weight(mb, j))
+        slow = torch.autograd.grad(whole, params)
+        torch.testing.assert_close(loss, whole, rtol=1e-5, atol=1e-7)
+        for key in ("ratio", "clipfrac", "policy_loss"):
+            torch.testing.assert_close(stats[key], whole_stats[key], rtol=1e-5, atol=1e-7)
+        for a, b in zip(fast, slow):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-8)
+    hook.remove()

@@ -122,6 +122,11 @@ class Minibatch:
     def of(cls, batch: EpochBatch, idx: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor) -> Minibatch:
         return cls(idx, batch.traj[idx], advantages[idx], valid[idx], batch.rewards.to(advantages.device)[idx])
 
+    def select(self, rows: torch.Tensor) -> Minibatch:
+        """The minibatch's samples ``rows`` (long [k], positions in this minibatch)."""
+        return Minibatch(self.idx[rows.to(self.idx.device)], self.traj[rows], self.advantages[rows],
+                         self.valid[rows], self.rewards[rows])
+
 
 @dataclass
 class Context:

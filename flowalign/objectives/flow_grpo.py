@@ -197,6 +197,12 @@ class FlowGRPO(BaseObjective):
         return out, ref_mean
 
     def loss(self, mb, j):
+        rows = mb.traj.trained[:, j]
+        if rows.any() and not rows.all():
+            # a step only some samples train (step_mode fraction: DanceGRPO, Flow-GRPO's timestep_fraction):
+            # rescore those rows alone. The others weigh 0 in the loss, its mean and its statistics, so the
+            # loss is the same; the denoiser's forward and backward shrink by the untrained share
+            mb = mb.select(rows.nonzero().squeeze(1))
         t, s, sub = self.config.train, self.config.sampling, mb.traj
         out, ref_mean = self.rescore(mb, j)
         std = out.std
