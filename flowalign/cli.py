@@ -317,17 +317,10 @@ def _sample_chess(args, model: str, loading: dict, seeds: list[int]) -> int:
 
 
 def cmd_push(args) -> int:
-    from huggingface_hub.errors import HfHubHTTPError
+    from flowalign.hub import push
 
-    from flowalign.outputs import push_run
-
-    try:
-        commit = push_run(args.run, args.repo, private=args.private, endpoint=args.endpoint, message=args.message)
-    except HfHubHTTPError as error:  # no token, no rights, the hub down: one line, no traceback
-        print(f"flowalign: error: pushing {args.run}/final to {args.repo} failed: {str(error).splitlines()[0]}",
-              file=sys.stderr)
-        return 1
-    print(f"uploaded {args.run}/final to {args.repo}: {commit}")
+    commit = push(args.run, args.repo, private=args.private, endpoint=args.endpoint, message=args.message)
+    print(f"uploaded {args.run}/final to {args.repo}: {commit}")  # a PushError is a ConfigError: one line, exit 2
     return 0
 
 

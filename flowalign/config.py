@@ -60,6 +60,9 @@ class ModelConfig:
     # keep the frozen text encoders on the CPU, on the device only while encoding prompts the cache
     # lacks (needs prompt_cache_size > 0): frees their accelerator memory once the prompts are cached
     offload_text_encoders: bool = False
+    # the model card's license (a hub license id, e.g. apache-2.0); None: the base model's when flowalign knows it
+    # (flowalign/model_card.py: KNOWN_BASES, a built-in demo, the base folder's card), else "other" with a note
+    license: Optional[str] = None
 
 
 @dataclass
