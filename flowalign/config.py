@@ -164,6 +164,9 @@ class _GeneralTrainConfig:
     async_reward: bool = True  # score each sampling batch in a thread while the next one samples
     per_prompt_stats: bool = False  # DDPO-style per-prompt tracker instead of group statistics
     ema_decay: float = 0.0  # 0 = off; evaluation uses the EMA weights when on
+    # the EMA's warm-up (diffusers' EMAModel.get_decay): diffusers (min(decay, (1+n)/(10+n)), EMAModel's default)
+    # | power (EMAModel's use_ema_warmup: 1 - (1+n)^(-2/3)) | none (a constant decay from the first step); flowalign/ema.py
+    ema_warmup: str = "diffusers"
     # stop the run (an error, the last checkpoint kept) after this many consecutive epochs in which
     # every reward was NaN: a broken reward, not a bad batch; 0 = never stop
     max_nan_epochs: int = 3
@@ -288,6 +291,7 @@ CHOICES = {
     "train.advantage_baseline": ("group", "leave_one_out"),
     "train.mixed_precision": ("no", "fp16", "bf16"),
     "train.optimizer": ("adamw", "adamw8bit"),  # `accelerate launch --mixed_precision` must agree (preflight)
+    "train.ema_warmup": ("none", "diffusers", "power"),
     "tracker": ("tensorboard", "wandb", "none"),
     "reward.on_error": ("raise", "nan"),
 }  # method: one of the registered objectives (flowalign/objectives/base.py), checked by check_values

@@ -39,7 +39,7 @@ from flowalign.advantages import Advantages
 from flowalign.checkpoint import Checkpointer, outputs_disk_full
 from flowalign.config import ConfigError, RunConfig, to_dict
 from flowalign.distributed import Distributed
-from flowalign.ema import EMA, maybe_swapped_in
+from flowalign.ema import EMA, maybe_swapped_in, short_run_warning
 from flowalign.epoch_sampler import EpochBatch, EpochSampler
 from flowalign.evaluator import Evaluator, flat
 from flowalign.faults import NanEpochStreak, RewardGuard, finite_json
@@ -94,7 +94,7 @@ class Trainer:
         built = build_model(config, acc, objective_cls, adapter)
         self.adapter, self.encode, self.params = built.adapter, built.encode, built.params
         self.model, self.optimizer = built.model, built.optimizer
-        self.ema = EMA(self.params, t.ema_decay) if t.ema_decay > 0 else None
+        self.ema = EMA(self.params, t.ema_decay, t.ema_warmup) if t.ema_decay > 0 else None
         ctx = Context(config, self.adapter, self.model, self.params, self.dist)
         self.sampler = EpochSampler(config, self.adapter, self.encode, self.reward, self.dist, self.train_specs)
         self.objective, self.hooks = experimental.attach(config, ctx, objective_cls(ctx), self.encode, self.sampler)
@@ -165,6 +165,8 @@ class Trainer:
                     return self._stopped(stop.requested or "a signal to another process",
                                          saved or self.save_checkpoint())
             self.evals["after"] = self.evaluate("after")
+            if self.ema is not None and (warning := short_run_warning(self.ema)) and acc.is_main_process:
+                log.warning("%s", warning)
             self.save_checkpoint()
             with outputs_disk_full(self.out):
                 summary = self._write_outputs(self.resumed_seconds + time.time() - start)
