@@ -119,9 +119,14 @@ def cmd_train(args) -> int:
 
     config = load_config(args.config, args.overrides)
     if args.dry_run:
+        from flowalign.inputs import MissingInputs
         from flowalign.preflight import dry_run
 
-        print(dry_run(config, args.config))
+        try:
+            print(dry_run(config, args.config))
+        except MissingInputs as error:  # the report, then the one-line error (exit 2)
+            print(error.report)
+            raise
         return 0
     try:
         summary = train(config)
