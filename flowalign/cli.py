@@ -212,8 +212,11 @@ def cmd_eval(args) -> int:
     from flowalign.prompts import load_prompts
     from reward_models.base import build_reward
 
+    from flowalign.usage import reward_names
+
+    names = reward_names(args.rewards, "--rewards")  # one line for an unknown name, before anything loads
     records = load_prompts(args.prompts)[: args.max_prompts]
-    rewards = {name: build_reward(name) for name in args.rewards.split(",")}
+    rewards = {name: build_reward(name) for name in names}
     model, family, loading = _model_loading(args)
     summary = evaluate(resolve_policies(args.policies), records, rewards, args.out, model=model, family=family,
                        seeds=_seeds(args), steps=args.steps or 10, guidance=args.guidance, loading=loading)
@@ -236,12 +239,13 @@ def cmd_report(args) -> int:
 
 
 def cmd_reward_server(args) -> int:
-    import json
-
     from reward_models.base import build_reward
     from reward_models.remote import make_server
 
-    reward = build_reward(args.reward, **json.loads(args.kwargs))
+    from flowalign.usage import reward_options
+
+    name, kwargs = reward_options(args.reward, args.kwargs)  # one line for a bad name or --kwargs
+    reward = build_reward(name, **kwargs)
     server = make_server(reward, args.reward, args.host, args.port, args.max_batch, int(args.max_payload_mb * 2**20),
                          args.max_image_pixels, args.max_request_pixels, args.timeout_s, args.idle_timeout_s)
     host, port = server.server_address[:2]
