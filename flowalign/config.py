@@ -123,6 +123,9 @@ class RewardConfig:
     # a reward call that raises: raise (stop the run with one line naming the reward and the batch;
     # the last checkpoint is kept) | nan (score that batch NaN, say so in one line, go on)
     on_error: str = "raise"
+    # several registered rewards trained together: {name: weight} or {name: {weight, kwargs, component}}; replaces
+    # name / kwargs / weights (name becomes combined; each reward logged as reward/<name>; flowalign/reward_components.py)
+    components: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -464,6 +467,9 @@ def check_values(config: RunConfig, where: str = "config") -> None:
     checks that types alone cannot express. A failure names the key and where its value came from
     (``source_of``: the override that set it, else ``where``)."""
     check_types(config, where if getattr(config, "sources", None) is not None else "RunConfig")
+    from flowalign.reward_components import expand
+
+    expand(config, where)  # reward.components → reward.name combined, its kwargs and weights
     t, s, e = config.train, config.sampling, config.eval
     rules = [
         ("checkpoint_every", config.checkpoint_every >= 0, "must be ≥ 0 (0 = only at the end)"),

@@ -131,6 +131,10 @@ def check_rewards(config: RunConfig, adapter_cls=None, given: bool = False) -> N
     r = config.reward
     factory = None
     if not given:
+        if r.components:
+            from flowalign.reward_components import check
+
+            check(config)  # each component a registered reward with its own kwargs
         factory = reward_factory(r.name, "reward.name", source_of(config, "reward.name"))
         reward_arguments(factory, r.kwargs, r.name, "reward.kwargs", source_of(config, "reward.kwargs"))
         declared = getattr(factory, "components", ()) if isinstance(factory, type) else ()

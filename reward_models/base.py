@@ -157,6 +157,7 @@ BUILTIN_REWARDS = {
     "audio_video": "reward_models.audio_video",
     "chess_puzzle": "reward_models.chess.reward",
     "clip_score": "reward_models.clip_score",
+    "combined": "reward_models.combined",
     "edit_fidelity": "reward_models.edit_fidelity",
     "hpsv2": "reward_models.hps",
     "jpeg_compressibility": "reward_models.jpeg",
