@@ -260,6 +260,10 @@ class RunConfig:
     # tensorboard | wandb | none: metrics every epoch, evaluations and their sample grids (as images);
     # wandb needs `pip install wandb` (refused before any model loads otherwise) and reads the wandb: section
     tracker: str = "tensorboard"
+    # every this many epochs (0 = never) a grid of the epoch's first tracker_samples rollouts, each captioned with
+    # its prompt and reward, goes to the tracker as the image train/samples (flowalign/sample_log.py)
+    tracker_samples_every: int = 10
+    tracker_samples: int = 16  # rollouts in that grid (this process's first, in group order)
     # torch CPU threads of each process, set when the run starts. Floating-point sums are split across
     # threads, so the numbers of a run depend on this count (and on torch's version and the CPU's
     # instruction set, both recorded in metrics.json), never on what else runs on the machine.

@@ -42,6 +42,8 @@ def init_trackers(accelerator, config: RunConfig, project_config: dict) -> None:
         return
     w = config.wandb
     project = (w.project if config.tracker == "wandb" else None) or Path(config.output_dir).name or "flowalign"
+    if config.tracker == "tensorboard":
+        project = ""  # TensorBoard writes to project_dir/<project>: "" puts the event files in output_dir itself
     init = {"wandb": {k: v for k, v in (("entity", w.entity), ("name", w.name), ("tags", w.tags)) if v}}
     accelerator.init_trackers(project, config=project_config, init_kwargs=init)
 

@@ -46,7 +46,8 @@ from flowalign.faults import NanEpochStreak, RewardGuard, finite_json
 from flowalign.logs import add_default_handler, get_logger
 from flowalign.model_setup import build_model
 from flowalign.objectives.base import Context, objective_class
-from flowalign.outputs import init_trackers, write_hub_files
+from flowalign import sample_log
+from flowalign.outputs import init_trackers, log_grid, write_hub_files
 from flowalign.preflight import check_modality, check_reward_components, family_prediction, validate
 from flowalign.prompts import load_prompts
 from flowalign.stopping import GracefulStop
@@ -181,6 +182,10 @@ class Trainer:
             group["lr"] = self.config.train.learning_rate * min(1.0, (self.epoch + 1) / (warmup + 1))
         with self.dist.full_params(self.model), self.objective.sampling_weights():
             batch = self.sample_epoch()
+        if sample_log.due(self.config, self.epoch + 1) and self.accelerator.is_main_process:  # captioned, to the tracker
+            log_grid(self.accelerator, sample_log.samples_grid(self.adapter, self.encode, batch,
+                                                               self.config.tracker_samples), self.epoch + 1,
+                     sample_log.TAG)
         advantages, stats = self.compute_advantages(batch)
         for hook in self.hooks:  # before the generator moves: its rollouts are the hook's on-policy data
             stats.update(hook.before_update(batch))
