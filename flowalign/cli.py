@@ -42,8 +42,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "model_index.json names, else sd3)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="weights dtype (default: float32)")
-    p.add_argument("--attention", default=None, choices=("auto", "sdpa", "xformers"),
-                   help="attention backend (default: auto: xformers on CUDA when installed, else sdpa)")
+    p.add_argument("--attention", default=None, metavar="BACKEND",  # checked as model.attention, the config's choices
+                   help="attention backend: auto (default: xformers on CUDA when installed, else sdpa), sdpa, xformers, "
+                        "or a backend of diffusers' attention dispatcher (flash, sage, _native_cudnn, ...; model.attention)")
     p.add_argument("--model-kwargs", default=None, metavar="MAPPING",
                    help="adapter options as a YAML/JSON mapping, e.g. '{max_sequence_length: 256}' (model.kwargs)")
     p.add_argument("--steps", type=int, default=None, help="sampling steps (default: 10 ODE steps; chess: 16 "
@@ -351,6 +352,9 @@ def cmd_recipes(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowalign", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    from flowalign import __version__
+
+    parser.add_argument("--version", action="version", version=f"flowalign {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="run an alignment experiment from a YAML config",
                        description="Run an experiment. Any config value can be overridden: key.sub=value "

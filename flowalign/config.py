@@ -257,8 +257,9 @@ class WandbConfig:
 class RunConfig:
     output_dir: str = "runs/shapes-flow-grpo"  # the run's folder: checkpoints, grids, metrics.json, final/
     method: str = "flow_grpo"  # flow_grpo | dance_grpo | ddpo | diffusion_nft | gdro (flowalign/objectives/)
-    # tensorboard | wandb | none: metrics every epoch, evaluations and their sample grids (as images);
-    # wandb needs `pip install wandb` (refused before any model loads otherwise) and reads the wandb: section
+    # tensorboard | wandb | none, or another Accelerate tracker (aim, trackio, comet_ml, mlflow, clearml, dvclive,
+    # swanlab): metrics every epoch; TensorBoard and W&B also get the evaluation and training-sample grids as images.
+    # A tracker's package must import (refused before any model loads otherwise); wandb reads the wandb: section
     tracker: str = "tensorboard"
     # every this many epochs (0 = never) a grid of the epoch's first tracker_samples rollouts, each captioned with
     # its prompt and reward, goes to the tracker as the image train/samples (flowalign/sample_log.py)
@@ -299,7 +300,8 @@ CHOICES = {
     "train.mixed_precision": ("no", "fp16", "bf16"),
     "train.optimizer": ("adamw", "adamw8bit"),  # `accelerate launch --mixed_precision` must agree (preflight)
     "train.ema_warmup": ("none", "diffusers", "power"),
-    "tracker": ("tensorboard", "wandb", "none"),
+    # none, or any tracker Accelerate runs (accelerate.utils.LoggerType but "all"; tests/test_trackers.py checks the list)
+    "tracker": ("none", "tensorboard", "wandb", "aim", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab"),
     "reward.on_error": ("raise", "nan"),
 }  # method: one of the registered objectives (flowalign/objectives/base.py), checked by check_values
 

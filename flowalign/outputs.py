@@ -18,8 +18,9 @@ INSTALL = {"wandb": 'pip install wandb  (or: pip install "flowalign[wandb]")',
 def check_tracker(config: RunConfig) -> None:
     """``tracker`` names a package that imports (Accelerate would otherwise drop it and log to nothing)."""
     if config.tracker != "none" and importlib.util.find_spec(config.tracker) is None:
+        install = INSTALL.get(config.tracker, f"pip install {config.tracker.replace('_', '-')}")
         raise ConfigError(f"{source_of(config, 'tracker')}: tracker: {config.tracker} is not installed; install it "
-                          f"with `{INSTALL[config.tracker]}`, or set tracker=none (or tracker=tensorboard)")
+                          f"with `{install}`, or set tracker=none (or tracker=tensorboard)")
 
 
 def check_launch_precision(config: RunConfig, environ=os.environ) -> None:

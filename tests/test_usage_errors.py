@@ -65,3 +65,14 @@ def test_a_trl_style_reward_trains(tiny_sd3_dir, tmp_path):
         summary = trainer.train()
         assert summary["after"]["score"] == pytest.approx(summary["after"]["score"])  # a number, not NaN
         assert trainer.history[0]["reward/mean"] > 0
+
+
+def test_version_and_the_attention_flag_take_what_the_config_takes(capsys):
+    from flowalign import __version__
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"flowalign {__version__}"
+    assert main(["sample", "a red circle", "--attention", "flash-attn", "--out", "x.png"]) == 2
+    err = _one_line(capsys)
+    assert "model.attention must be one of" in err and "_native_math" in err  # the config's ~30 backends
