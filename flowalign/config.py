@@ -151,6 +151,9 @@ class _GeneralTrainConfig:
     # faster on Ampere and later with a 10-bit mantissa; on CPU a no-op with a log line
     allow_tf32: bool = False
     warmup_epochs: int = 0  # epochs of linear learning-rate warm-up
+    # constant (the warm-up, then constant) or a diffusers get_scheduler name: linear, cosine, cosine_with_restarts,
+    # polynomial, constant_with_warmup; per epoch (flowalign/lr_schedule.py)
+    lr_schedule: str = "constant"
     clip_range: float = 1e-4  # PPO-style clip of the likelihood ratio: |ratio − 1| ≤ clip_range
     # CFG in the training forward (guidance_scale > 1): no gradient through the unconditional branch, as
     # Flow-GRPO's original train_sd3.py (its later scripts and ours by default train both branches)
@@ -300,6 +303,7 @@ CHOICES = {
     "train.mixed_precision": ("no", "fp16", "bf16"),
     "train.optimizer": ("adamw", "adamw8bit"),  # `accelerate launch --mixed_precision` must agree (preflight)
     "train.ema_warmup": ("none", "diffusers", "power"),
+    "train.lr_schedule": ("constant", "linear", "cosine", "cosine_with_restarts", "polynomial", "constant_with_warmup"),
     # none, or any tracker Accelerate runs (accelerate.utils.LoggerType but "all"; tests/test_trackers.py checks the list)
     "tracker": ("none", "tensorboard", "wandb", "aim", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab"),
     "reward.on_error": ("raise", "nan"),

@@ -44,6 +44,7 @@ from flowalign.epoch_sampler import EpochBatch, EpochSampler
 from flowalign.evaluator import Evaluator, flat
 from flowalign.faults import NanEpochStreak, RewardGuard, finite_json
 from flowalign.logs import add_default_handler, get_logger
+from flowalign.lr_schedule import lr_factor
 from flowalign.model_setup import build_model
 from flowalign.objectives.base import Context, objective_class
 from flowalign import sample_log
@@ -177,9 +178,10 @@ class Trainer:
     def train_epoch(self) -> dict:
         """sample → score → advantages → (hooks) → update → end-epoch."""
         t0, cpu0 = time.time(), time.process_time()
-        warmup = self.config.train.warmup_epochs
-        for group in self.optimizer.param_groups:  # linear warm-up, a pure function of the epoch
-            group["lr"] = self.config.train.learning_rate * min(1.0, (self.epoch + 1) / (warmup + 1))
+        t = self.config.train  # the schedule is a pure function of the epoch (flowalign/lr_schedule.py)
+        factor = lr_factor(t.lr_schedule, self.epoch, t.warmup_epochs, t.epochs)
+        for group in self.optimizer.param_groups:
+            group["lr"] = t.learning_rate * factor
         with self.dist.full_params(self.model), self.objective.sampling_weights():
             batch = self.sample_epoch()
         if sample_log.due(self.config, self.epoch + 1) and self.accelerator.is_main_process:  # captioned, to the tracker
