@@ -23,6 +23,7 @@ from pipelines.attention import BACKENDS as ATTENTION_BACKENDS
 
 
 from flowalign.errors import ConfigError  # noqa: E402  (re-exported: every check raises it)
+from flowalign.hub import HubConfig  # noqa: E402  (the hub: section, defined beside what reads it)
 from flowalign.objectives.base import method_options  # noqa: E402  (importing it loads the registry)
 
 
@@ -288,6 +289,7 @@ class RunConfig:
     explore: ExploreConfig = field(default_factory=ExploreConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
 
 
 CHOICES = {
@@ -303,6 +305,7 @@ CHOICES = {
     "train.mixed_precision": ("no", "fp16", "bf16"),
     "train.optimizer": ("adamw", "adamw8bit"),  # `accelerate launch --mixed_precision` must agree (preflight)
     "train.ema_warmup": ("none", "diffusers", "power"),
+    "hub.strategy": ("end", "checkpoint"),
     "train.lr_schedule": ("constant", "linear", "cosine", "cosine_with_restarts", "polynomial", "constant_with_warmup"),
     # none, or any tracker Accelerate runs (accelerate.utils.LoggerType but "all"; tests/test_trackers.py checks the list)
     "tracker": ("none", "tensorboard", "wandb", "aim", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab"),

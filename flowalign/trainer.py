@@ -43,6 +43,7 @@ from flowalign.ema import EMA, maybe_swapped_in, short_run_warning
 from flowalign.epoch_sampler import EpochBatch, EpochSampler
 from flowalign.evaluator import Evaluator, flat
 from flowalign.faults import NanEpochStreak, RewardGuard, finite_json
+from flowalign.hub import check_hub, push_during_training
 from flowalign.logs import add_default_handler, get_logger
 from flowalign.lr_schedule import lr_factor
 from flowalign.model_setup import build_model
@@ -67,6 +68,7 @@ class Trainer:
                                         ("data.eval_prompts", eval_prompts), ("model", adapter)) if value is not None}
         add_default_handler()  # messages through logging, main process only (flowalign/logs.py)
         validate(config, given=given)  # every check that needs no weights (flowalign/preflight.py: also `train --dry-run`)
+        check_hub(config)  # hub.repo: owner/name and a token, before training rather than after
         if config.threads:  # before any tensor work: a run's numbers depend on its thread count
             torch.set_num_threads(config.threads)
         self.config, t = config, config.train
@@ -161,6 +163,8 @@ class Trainer:
                 saved = None
                 if cfg.checkpoint_every and self.epoch % cfg.checkpoint_every == 0:
                     saved = self.save_checkpoint()
+                    if acc.is_main_process:  # hub.strategy checkpoint: its policy/ to hub.repo (flowalign/hub.py)
+                        push_during_training(cfg, self.out, saved, log)
                 # every process stops at the same epoch, whichever of them got the signal
                 if self.epoch < cfg.train.epochs and self.dist.any(stop.requested is not None):
                     bar.close()
@@ -172,6 +176,8 @@ class Trainer:
             self.save_checkpoint()
             with outputs_disk_full(self.out):
                 summary = self._write_outputs(self.resumed_seconds + time.time() - start)
+            if acc.is_main_process:  # hub.repo: final/ as `flowalign push` uploads it
+                push_during_training(cfg, self.out, None, log)
         acc.end_training()
         return summary
 
