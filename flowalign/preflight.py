@@ -275,7 +275,6 @@ def dry_run(config: RunConfig, recipe: str | None = None) -> str:
     """Validate ``config`` and say what training it would load and do (text, one fact a line)."""
     from flowalign.inputs import check_inputs
     from flowalign.memory_estimate import lines as memory_lines
-
     validate(config, missing_ok=True)
     cls = adapter_for(config)
     warnings: list[str] = []
