@@ -355,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     from flowalign import __version__
 
     parser.add_argument("--version", action="version", version=f"flowalign {__version__}")
+    parser.add_argument("--verbose", action="store_true", help="keep the libraries' loading bars and known-harmless "
+                                                               "warnings (silenced by default: flowalign/quiet.py)")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="run an alignment experiment from a YAML config",
                        description="Run an experiment. Any config value can be overridden: key.sub=value "
@@ -488,6 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
 # (exit 1), as "module:Class". The classes live in modules that import torch; an exception can only
 # be an instance of a class whose module is loaded, so main() looks them up in sys.modules instead
 # of importing them (`flowalign recipes` and `--help` never load torch).
+MODEL_COMMANDS = ("train", "generate-groups", "grid", "eval", "sample", "reward-server")  # they load models
 USAGE_ERRORS = ("flowalign.checkpoint:CheckpointError", "reward_models.base:MissingRewardPackage")
 RUN_FAULTS = ("flowalign.faults:RunStopped",)
 
@@ -502,6 +505,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # --help and usage errors exit here, before anything heavy loads
     from flowalign.errors import ConfigError  # torch-free
 
+    if not args.verbose and args.command in MODEL_COMMANDS:
+        from flowalign.quiet import quiet
+
+        quiet()
     try:
         return args.func(args)
     except (ConfigError, FileNotFoundError) as error:  # FileNotFoundError covers pipelines' ModelNotFoundError
