@@ -1,6 +1,6 @@
-"""The ``flowalign`` command: train from a YAML recipe; compare policies in grids, eval tables and reports.
+"""The flowalign command: train from a YAML recipe; compare policies in grids, eval tables and reports.
 
-Examples::
+Examples:
 
     flowalign train configs/shapes_flow_grpo.yaml                     # the built-in demo
     flowalign train shapes_nft                                        # a built-in recipe by name (flowalign recipes)
@@ -25,8 +25,8 @@ from pathlib import Path
 # each command imports what it needs.
 
 CONFIG_KEYS_HELP = (
-    "Where every config key is documented: docs/config.md, the reference of every key (type, default, "
-    "meaning; generated from the code, checked by tests/test_config_reference.py). Each key is defined "
+    "Where every config key is documented: `python -m flowalign.config_reference` prints the reference of "
+    "every key (type, default, meaning, the rules; docs/config.md in the repository). Each key is defined "
     "and commented in flowalign/config.py (the sections model, sampling, data, reward, train, eval, explore, "
     "routing; CHOICES and check_values hold the rules that tie keys together); each method's own train.* "
     "options in its file flowalign/objectives/<method>.py; model.kwargs per family in pipelines/<family>.py "
