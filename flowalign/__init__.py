@@ -42,6 +42,7 @@ _EXPORTS = {
     "Reward": "reward_models.base",
     "register_reward": "reward_models.base",
     "push": "flowalign.hub",
+    "Callback": "flowalign.callbacks",
     "demo_model": "flowalign.model_card",
 }
 

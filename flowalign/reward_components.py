@@ -28,7 +28,7 @@ def _spec(name: str, value, where: str) -> tuple[float, dict]:
 def expand(config: RunConfig, where: str = "config") -> None:
     """Rewrite ``reward.components`` into name / kwargs / weights (a no-op without components)."""
     r = config.reward
-    if not r.components:
+    if not r.components or r.name.startswith("python:"):  # a reward passed in Python replaces the config's
         return
     where = source_of(config, "reward.components", where)
     weights, rewards = {}, {}

@@ -43,13 +43,13 @@ from flowalign.ema import EMA, maybe_swapped_in, short_run_warning
 from flowalign.epoch_sampler import EpochBatch, EpochSampler
 from flowalign.evaluator import Evaluator, flat
 from flowalign.faults import NanEpochStreak, RewardGuard, finite_json
-from flowalign.hub import check_hub, push_during_training
+from flowalign.callbacks import HubPush, TrackerLogging, fire
+from flowalign.hub import check_hub
 from flowalign.logs import add_default_handler, get_logger
 from flowalign.lr_schedule import lr_factor
 from flowalign.model_setup import build_model
 from flowalign.objectives.base import Context, objective_class
-from flowalign import sample_log
-from flowalign.outputs import init_trackers, log_grid, write_hub_files
+from flowalign.outputs import init_trackers, write_hub_files
 from flowalign.preflight import check_modality, check_reward_components, family_prediction, validate
 from flowalign.prompts import load_prompts
 from flowalign.stopping import GracefulStop
@@ -63,7 +63,8 @@ class Trainer:
     ``reward`` (a Reward or a reward function), ``train_prompts`` / ``eval_prompts`` (lists) and a
     loaded ``adapter``, when given, replace what the config names (``flowalign.train``, flowalign/api.py)."""
 
-    def __init__(self, config: RunConfig, *, reward=None, train_prompts=None, eval_prompts=None, adapter=None):
+    def __init__(self, config: RunConfig, *, reward=None, train_prompts=None, eval_prompts=None, adapter=None,
+                 callbacks=()):
         given = {key for key, value in (("reward", reward), ("data.train_prompts", train_prompts),
                                         ("data.eval_prompts", eval_prompts), ("model", adapter)) if value is not None}
         add_default_handler()  # messages through logging, main process only (flowalign/logs.py)
@@ -111,6 +112,7 @@ class Trainer:
         self.resumed_seconds, self.session_start = 0.0, time.time()  # train time before this session; its start
         self.history: list[dict] = []
         self.evals: dict[str, dict] = {}
+        self.callbacks = [TrackerLogging(), HubPush(), *callbacks]  # flowalign/callbacks.py: the built-ins, then yours
 
     def _checkpointer(self) -> Checkpointer:
         """Every stateful component under its name (flowalign/checkpoint.py)."""
@@ -152,7 +154,7 @@ class Trainer:
                 stats = self.train_epoch()
                 self.epoch = epoch + 1
                 self.history.append(stats)
-                acc.log(stats, step=self.epoch)
+                fire(self.callbacks, "on_epoch_end", self, self.epoch, stats)  # the trackers, then yours
                 nan_streak.observe(stats, self.epoch)  # a reward NaN for every sample, epoch after epoch: stop
                 bar.set_postfix(reward=f"{stats['reward/mean']:.3f}", clipfrac=f"{stats.get('train/clipfrac', 0):.2f}")
                 if self.dist.any(self._budget_spent()):
@@ -163,8 +165,7 @@ class Trainer:
                 saved = None
                 if cfg.checkpoint_every and self.epoch % cfg.checkpoint_every == 0:
                     saved = self.save_checkpoint()
-                    if acc.is_main_process:  # hub.strategy checkpoint: its policy/ to hub.repo (flowalign/hub.py)
-                        push_during_training(cfg, self.out, saved, log)
+                    fire(self.callbacks, "on_checkpoint", self, self.epoch, saved)  # hub.strategy checkpoint: a push
                 # every process stops at the same epoch, whichever of them got the signal
                 if self.epoch < cfg.train.epochs and self.dist.any(stop.requested is not None):
                     bar.close()
@@ -176,8 +177,7 @@ class Trainer:
             self.save_checkpoint()
             with outputs_disk_full(self.out):
                 summary = self._write_outputs(self.resumed_seconds + time.time() - start)
-            if acc.is_main_process:  # hub.repo: final/ as `flowalign push` uploads it
-                push_during_training(cfg, self.out, None, log)
+            fire(self.callbacks, "on_train_end", self, summary)  # hub.repo: final/ as `flowalign push` uploads it
         acc.end_training()
         return summary
 
@@ -190,10 +190,7 @@ class Trainer:
             group["lr"] = t.learning_rate * factor
         with self.dist.full_params(self.model), self.objective.sampling_weights():
             batch = self.sample_epoch()
-        if sample_log.due(self.config, self.epoch + 1) and self.accelerator.is_main_process:  # captioned, to the tracker
-            log_grid(self.accelerator, sample_log.samples_grid(self.adapter, self.encode, batch,
-                                                               self.config.tracker_samples), self.epoch + 1,
-                     sample_log.TAG)
+        fire(self.callbacks, "on_rollouts", self, self.epoch, batch)  # e.g. the captioned samples to the tracker
         advantages, stats = self.compute_advantages(batch)
         for hook in self.hooks:  # before the generator moves: its rollouts are the hook's on-policy data
             stats.update(hook.before_update(batch))
@@ -267,7 +264,10 @@ class Trainer:
 
     def evaluate(self, label: str) -> dict:
         """The held-out evaluation (flowalign/evaluator.py) with the evaluated weights (EMA if on)."""
-        return self.evaluator.evaluate(label, self.epoch, self._train_seconds())
+        result = self.evaluator.evaluate(label, self.epoch, self._train_seconds())
+        fire(self.callbacks, "on_evaluate", self, label, self.epoch, result, self.evaluator.grids.get(label),
+             self.evaluator.rewards.get(label, {}))
+        return result
 
     def _train_seconds(self, clock: str = "time/epoch_s") -> float:
         return sum(h.get(clock, 0.0) for h in self.history)

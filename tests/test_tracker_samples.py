@@ -51,7 +51,10 @@ def test_an_offline_wandb_run_has_them_too(tiny_sd3_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
     monkeypatch.setenv("WANDB_SILENT", "true")
     (tmp_path / "wandb-dir").mkdir()
-    Trainer(tiny_config(tiny_sd3_dir, tmp_path / "run", "tracker=wandb", *SAMPLES)).train()
+    try:
+        Trainer(tiny_config(tiny_sd3_dir, tmp_path / "run", "tracker=wandb", *SAMPLES)).train()
+    finally:
+        wandb.teardown()  # and leave none of this run's settings to a later test
     (run_dir,) = (tmp_path / "wandb-dir" / "wandb").glob("offline-run-*")
     rows = read_offline_wandb_history(run_dir)  # waits for wandb's writer to finish the log
     logged = [(row["_step"], row[TAG]) for row in rows if TAG in row]
