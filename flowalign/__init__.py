@@ -41,6 +41,9 @@ _EXPORTS = {
     "ConfigError": "flowalign.errors",
     "Reward": "reward_models.base",
     "register_reward": "reward_models.base",
+    "push": "flowalign.hub",
+    "Callback": "flowalign.callbacks",
+    "demo_model": "flowalign.model_card",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -22,7 +22,7 @@ from flowalign.config import ConfigError, RunConfig, load_config
 
 
 def train(config: RunConfig | str | Path | None = None, overrides: list[str] = (), *, reward=None,
-          prompts: list | None = None, eval_prompts: list | None = None, adapter=None) -> dict:
+          prompts: list | None = None, eval_prompts: list | None = None, adapter=None, callbacks=()) -> dict:
     """Run one experiment and return its summary (``before`` / ``after`` evaluations, ``delta``,
     ``evals``, ``epochs``, ``train_minutes``; the same as ``metrics.json``).
 
@@ -33,7 +33,8 @@ def train(config: RunConfig | str | Path | None = None, overrides: list[str] = (
     strings or records (``{"prompt": ..., "tag": ...}``) instead of ``data.train_prompts`` /
     ``data.eval_prompts``. ``adapter``: a loaded adapter (``pipelines.load_adapter``) on the run's
     device instead of ``model.path``; its LoRA is added in place. The config file written to the run
-    folder names what was passed (``python:<name>``)."""
+    folder names what was passed (``python:<name>``). ``callbacks``: ``flowalign.Callback`` objects
+    (flowalign/callbacks.py)."""
     from flowalign.trainer import Trainer
 
     if isinstance(config, RunConfig):
@@ -50,7 +51,8 @@ def train(config: RunConfig | str | Path | None = None, overrides: list[str] = (
         config.data.eval_prompts = f"python:{len(eval_prompts)} prompts"
     if adapter is not None:
         config.model.family, config.model.path = adapter_family(adapter), f"python:{type(adapter).__name__}"
-    trainer = Trainer(config, reward=reward, train_prompts=prompts, eval_prompts=eval_prompts, adapter=adapter)
+    trainer = Trainer(config, reward=reward, train_prompts=prompts, eval_prompts=eval_prompts, adapter=adapter,
+                      callbacks=callbacks)
     return trainer.train()
 
 

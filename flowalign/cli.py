@@ -1,6 +1,6 @@
-"""The ``flowalign`` command: train from a YAML recipe; compare policies in grids, eval tables and reports.
+"""The flowalign command: train from a YAML recipe; compare policies in grids, eval tables and reports.
 
-Examples::
+Examples:
 
     flowalign train configs/shapes_flow_grpo.yaml                     # the built-in demo
     flowalign train shapes_nft                                        # a built-in recipe by name (flowalign recipes)
@@ -25,8 +25,8 @@ from pathlib import Path
 # each command imports what it needs.
 
 CONFIG_KEYS_HELP = (
-    "Where every config key is documented: docs/config.md, the reference of every key (type, default, "
-    "meaning; generated from the code, checked by tests/test_config_reference.py). Each key is defined "
+    "Where every config key is documented: `python -m flowalign.config_reference` prints the reference of "
+    "every key (type, default, meaning, the rules; docs/config.md in the repository). Each key is defined "
     "and commented in flowalign/config.py (the sections model, sampling, data, reward, train, eval, explore, "
     "routing; CHOICES and check_values hold the rules that tie keys together); each method's own train.* "
     "options in its file flowalign/objectives/<method>.py; model.kwargs per family in pipelines/<family>.py "
@@ -42,8 +42,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "model_index.json names, else sd3)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="weights dtype (default: float32)")
-    p.add_argument("--attention", default=None, choices=("auto", "sdpa", "xformers"),
-                   help="attention backend (default: auto: xformers on CUDA when installed, else sdpa)")
+    p.add_argument("--attention", default=None, metavar="BACKEND",  # checked as model.attention, the config's choices
+                   help="attention backend: auto (default: xformers on CUDA when installed, else sdpa), sdpa, xformers, "
+                        "or a backend of diffusers' attention dispatcher (flash, sage, _native_cudnn, ...; model.attention)")
     p.add_argument("--model-kwargs", default=None, metavar="MAPPING",
                    help="adapter options as a YAML/JSON mapping, e.g. '{max_sequence_length: 256}' (model.kwargs)")
     p.add_argument("--steps", type=int, default=None, help="sampling steps (default: 10 ODE steps; chess: 16 "
@@ -132,9 +133,14 @@ def cmd_train(args) -> int:
 
     config = load_config(args.config, args.overrides)
     if args.dry_run:
+        from flowalign.inputs import MissingInputs
         from flowalign.preflight import dry_run
 
-        print(dry_run(config, args.config))
+        try:
+            print(dry_run(config, args.config))
+        except MissingInputs as error:  # the report, then the one-line error (exit 2)
+            print(error.report)
+            raise
         return 0
     try:
         summary = train(config)
@@ -220,8 +226,11 @@ def cmd_eval(args) -> int:
     from flowalign.prompts import load_prompts
     from reward_models.base import build_reward
 
+    from flowalign.usage import reward_names
+
+    names = reward_names(args.rewards, "--rewards")  # one line for an unknown name, before anything loads
     records = load_prompts(args.prompts)[: args.max_prompts]
-    rewards = {name: build_reward(name) for name in args.rewards.split(",")}
+    rewards = {name: build_reward(name) for name in names}
     model, family, loading = _model_loading(args)
     summary = evaluate(resolve_policies(args.policies), records, rewards, args.out, model=model, family=family,
                        seeds=_seeds(args), steps=args.steps or 10, guidance=args.guidance, loading=loading)
@@ -244,12 +253,13 @@ def cmd_report(args) -> int:
 
 
 def cmd_reward_server(args) -> int:
-    import json
-
     from reward_models.base import build_reward
     from reward_models.remote import make_server
 
-    reward = build_reward(args.reward, **json.loads(args.kwargs))
+    from flowalign.usage import reward_options
+
+    name, kwargs = reward_options(args.reward, args.kwargs)  # one line for a bad name or --kwargs
+    reward = build_reward(name, **kwargs)
     server = make_server(reward, args.reward, args.host, args.port, args.max_batch, int(args.max_payload_mb * 2**20),
                          args.max_image_pixels, args.max_request_pixels, args.timeout_s, args.idle_timeout_s)
     host, port = server.server_address[:2]
@@ -287,17 +297,10 @@ def cmd_sample(args) -> int:
 
 
 def cmd_push(args) -> int:
-    from huggingface_hub.errors import HfHubHTTPError
+    from flowalign.hub import push
 
-    from flowalign.outputs import push_run
-
-    try:
-        commit = push_run(args.run, args.repo, private=args.private, endpoint=args.endpoint, message=args.message)
-    except HfHubHTTPError as error:  # no token, no rights, the hub down: one line, no traceback
-        print(f"flowalign: error: pushing {args.run}/final to {args.repo} failed: {str(error).splitlines()[0]}",
-              file=sys.stderr)
-        return 1
-    print(f"uploaded {args.run}/final to {args.repo}: {commit}")
+    commit = push(args.run, args.repo, private=args.private, endpoint=args.endpoint, message=args.message)
+    print(f"uploaded {args.run}/final to {args.repo}: {commit}")  # a PushError is a ConfigError: one line, exit 2
     return 0
 
 
@@ -319,6 +322,11 @@ def cmd_recipes(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowalign", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    from flowalign import __version__
+
+    parser.add_argument("--version", action="version", version=f"flowalign {__version__}")
+    parser.add_argument("--verbose", action="store_true", help="keep the libraries' loading bars and known-harmless "
+                                                               "warnings (silenced by default: flowalign/quiet.py)")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="run an alignment experiment from a YAML config",
                        description="Run an experiment. Any config value can be overridden: key.sub=value "
@@ -438,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
 # (exit 1), as "module:Class". The classes live in modules that import torch; an exception can only
 # be an instance of a class whose module is loaded, so main() looks them up in sys.modules instead
 # of importing them (`flowalign recipes` and `--help` never load torch).
+MODEL_COMMANDS = ("train", "generate-groups", "grid", "eval", "sample", "reward-server")  # they load models
 USAGE_ERRORS = ("flowalign.checkpoint:CheckpointError", "reward_models.base:MissingRewardPackage")
 RUN_FAULTS = ("flowalign.faults:RunStopped",)
 
@@ -452,6 +461,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # --help and usage errors exit here, before anything heavy loads
     from flowalign.errors import ConfigError  # torch-free
 
+    if not args.verbose and args.command in MODEL_COMMANDS:
+        from flowalign.quiet import quiet
+
+        quiet()
     try:
         return args.func(args)
     except (ConfigError, FileNotFoundError) as error:  # FileNotFoundError covers pipelines' ModelNotFoundError

@@ -22,6 +22,7 @@ from pipelines.attention import BACKENDS as ATTENTION_BACKENDS
 
 
 from flowalign.errors import ConfigError  # re-exported: every check raises it
+from flowalign.hub import HubConfig  # the hub: section, defined beside what reads it
 from flowalign.experimental.options import ExploreConfig, RoutingConfig
 from flowalign.overrides import dotted_keys, numbers_as_floats, parse_override, set_path  # parse_override: re-exported
 from flowalign.objectives.base import method_option_rules, method_options, option_owners  # loads the registry
@@ -61,6 +62,9 @@ class ModelConfig:
     # keep the frozen text encoders on the CPU, on the device only while encoding prompts the cache
     # lacks (needs prompt_cache_size > 0): frees their accelerator memory once the prompts are cached
     offload_text_encoders: bool = False
+    # the model card's license (a hub license id, e.g. apache-2.0); None: the base model's when flowalign knows it
+    # (flowalign/model_card.py: KNOWN_BASES, a built-in demo, the base folder's card), else "other" with a note
+    license: Optional[str] = None
 
 
 @dataclass
@@ -121,6 +125,9 @@ class RewardConfig:
     # a reward call that raises: raise (stop the run with one line naming the reward and the batch;
     # the last checkpoint is kept) | nan (score that batch NaN, say so in one line, go on)
     on_error: str = "raise"
+    # several registered rewards trained together: {name: weight} or {name: {weight, kwargs, component}}; replaces
+    # name / kwargs / weights (name becomes combined; each reward logged as reward/<name>; flowalign/reward_components.py)
+    components: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -150,6 +157,9 @@ class _GeneralTrainConfig:
     # last digit; the first steps pay the compilation (docs/performance.md: what it gives on CPU)
     compile: bool = False
     warmup_epochs: int = 0  # epochs of linear learning-rate warm-up
+    # constant (the warm-up, then constant) or a diffusers get_scheduler name: linear, cosine, cosine_with_restarts,
+    # polynomial, constant_with_warmup; per epoch (flowalign/lr_schedule.py)
+    lr_schedule: str = "constant"
     clip_range: float = 1e-4  # PPO-style clip of the likelihood ratio: |ratio − 1| ≤ clip_range
     # CFG in the training forward (guidance_scale > 1): no gradient through the unconditional branch, as
     # Flow-GRPO's original train_sd3.py (its later scripts and ours by default train both branches); that
@@ -167,6 +177,9 @@ class _GeneralTrainConfig:
     async_reward: bool = True  # score each sampling batch in a thread while the next one samples
     per_prompt_stats: bool = False  # DDPO-style per-prompt tracker instead of group statistics
     ema_decay: float = 0.0  # 0 = off; evaluation uses the EMA weights when on
+    # the EMA's warm-up (diffusers' EMAModel.get_decay): diffusers (min(decay, (1+n)/(10+n)), EMAModel's default)
+    # | power (EMAModel's use_ema_warmup: 1 - (1+n)^(-2/3)) | none (a constant decay from the first step); flowalign/ema.py
+    ema_warmup: str = "diffusers"
     # stop the run (an error, the last checkpoint kept) after this many consecutive epochs in which
     # every reward was NaN: a broken reward, not a bad batch; 0 = never stop
     max_nan_epochs: int = 3
@@ -233,9 +246,14 @@ class WandbConfig:
 class RunConfig:
     output_dir: str = "runs/shapes-flow-grpo"  # the run's folder: checkpoints, grids, metrics.json, final/
     method: str = "flow_grpo"  # flow_grpo | dance_grpo | ddpo | diffusion_nft | gdro (flowalign/objectives/)
-    # tensorboard | wandb | none: metrics every epoch, evaluations and their sample grids (as images);
-    # wandb needs `pip install wandb` (refused before any model loads otherwise) and reads the wandb: section
+    # tensorboard | wandb | none, or another Accelerate tracker (aim, trackio, comet_ml, mlflow, clearml, dvclive,
+    # swanlab): metrics every epoch; TensorBoard and W&B also get the evaluation and training-sample grids as images.
+    # A tracker's package must import (refused before any model loads otherwise); wandb reads the wandb: section
     tracker: str = "tensorboard"
+    # every this many epochs (0 = never) a grid of the epoch's first tracker_samples rollouts, each captioned with
+    # its prompt and reward, goes to the tracker as the image train/samples (flowalign/sample_log.py)
+    tracker_samples_every: int = 10
+    tracker_samples: int = 16  # rollouts in that grid (this process's first, in group order)
     # torch CPU threads of each process, set when the run starts. Floating-point sums are split across
     # threads, so the numbers of a run depend on this count (and on torch's version and the CPU's
     # instruction set, both recorded in metrics.json), never on what else runs on the machine.
@@ -256,6 +274,7 @@ class RunConfig:
     explore: ExploreConfig = field(default_factory=ExploreConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
     # where each value came from (load_config): {"file", "overrides": [(key, text)], "keys": keys the
     # file or an override set}; read by source_of. Not a setting: no file or override can set it.
     sources: Optional[dict] = field(default=None, repr=False, compare=False, metadata={"internal": True})
@@ -278,7 +297,11 @@ CHOICES = {
     "train.advantage_baseline": ("group", "leave_one_out"),
     "train.mixed_precision": ("no", "fp16", "bf16"),
     "train.optimizer": ("adamw", "adamw8bit"),  # `accelerate launch --mixed_precision` must agree (preflight)
-    "tracker": ("tensorboard", "wandb", "none"),
+    "train.ema_warmup": ("none", "diffusers", "power"),
+    "hub.strategy": ("end", "checkpoint"),
+    "train.lr_schedule": ("constant", "linear", "cosine", "cosine_with_restarts", "polynomial", "constant_with_warmup"),
+    # none, or any tracker Accelerate runs (accelerate.utils.LoggerType but "all"; tests/test_trackers.py checks the list)
+    "tracker": ("none", "tensorboard", "wandb", "aim", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab"),
     "reward.on_error": ("raise", "nan"),
 }  # method: one of the registered objectives (flowalign/objectives/base.py), checked by check_values
 
@@ -415,6 +438,9 @@ def check_values(config: RunConfig, where: str = "config") -> None:
     checks that types alone cannot express. A failure names the key and where its value came from
     (``source_of``: the override that set it, else ``where``)."""
     check_types(config, where if config.sources is not None else "RunConfig")
+    from flowalign.reward_components import expand
+
+    expand(config, where)  # reward.components → reward.name combined, its kwargs and weights
     t, s, e = config.train, config.sampling, config.eval
     rules = [
         ("checkpoint_every", config.checkpoint_every >= 0, "must be ≥ 0 (0 = only at the end)"),

@@ -23,6 +23,7 @@ from flowalign.rollout import Trajectory, group_noise, rollout
 from flowalign.samplers.steps import StepPlan, plan_steps, sliding_window_start
 from pipelines.base import decode_samples, encode_records
 from pipelines.unmasking import MaskedTrajectory
+from reward_models.base import reward_output
 
 @dataclass
 class EpochBatch:
@@ -38,8 +39,8 @@ class EpochBatch:
 
 def reward_chunk(reward, samples, specs: list[dict]) -> dict[str, torch.Tensor]:
     """Score decoded ``samples`` of ``specs``: {component: float32 [b] on the CPU}."""
-    return {k: torch.as_tensor(v, dtype=torch.float32).cpu()
-            for k, v in reward(samples, [p["prompt"] for p in specs], specs).items()}
+    out = reward_output(reward(samples, [p["prompt"] for p in specs], specs), f"reward {getattr(reward, 'name', '')!r}")
+    return {k: torch.as_tensor(v, dtype=torch.float32).cpu() for k, v in out.items()}
 
 
 def cat_components(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

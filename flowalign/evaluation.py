@@ -126,9 +126,12 @@ def ode_samples(adapter, encode, prompts: list[str | dict], noise: torch.Tensor,
     from flowalign.samplers.steps import plan_steps
     from pipelines.base import encode_records
 
+    from tqdm.auto import tqdm
+
     schedule = adapter.schedule(steps)
     latents = []
-    for lo in range(0, len(prompts), batch_size):
+    starts = range(0, len(prompts), batch_size)  # a bar where it takes more than one batch (an in-run evaluation)
+    for lo in tqdm(starts, desc=f"ODE samples ({len(prompts)})", unit="batch", leave=False, disable=len(starts) < 2):
         sub = prompts[lo:lo + batch_size]
         cond = encode_records(encode, [p if isinstance(p, dict) else {"prompt": p} for p in sub])
         traj = rollout(adapter, cond, noise[lo:lo + len(sub)], schedule, plan_steps(steps, len(sub), 0.0),

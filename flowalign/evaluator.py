@@ -17,7 +17,6 @@ from flowalign.epoch_sampler import cat_components, masked_rollout, reward_chunk
 from flowalign.evaluation import EVAL_SEED, held_out_noise, ode_samples, paired_change
 from flowalign.grids import as_image_cells, load_grids, save_grid, side_by_side, to_pil_grid, with_inputs
 from flowalign.logs import get_logger
-from flowalign.outputs import log_grid
 from pipelines.base import decode_samples, encode_records
 
 log = get_logger("evaluator")
@@ -58,7 +57,8 @@ class Evaluator:
         self.extra_rewards, self.dist, self.model, self.eval_specs, self.out = extra_rewards, dist, model, eval_specs, out
         self.ema = None  # evaluated weights: the EMA when train.ema_decay > 0
         self.rollout = "ode"  # the objective's rollout kind; "unmasking": masked diffusion, board diversity
-        self.grids: dict = {}
+        self.grids: dict = {}  # label → the evaluation's grid (main process)
+        self.rewards: dict = {}  # label → its per-sample rewards {component: [N]} (main process; the callbacks')
 
     @torch.no_grad()
     def evaluate(self, label: str, epoch: int, train_seconds: float) -> dict:
@@ -70,8 +70,6 @@ class Evaluator:
                     result = self._evaluate_main(label, epoch, train_seconds)
                 log.info("eval %s: %s", label, ", ".join(f"{k} {v:.3f}" for k, v in result.items()
                                                          if isinstance(v, float)))
-                acc.log({f"eval/{k}": v for k, v in flat(result).items() if isinstance(v, (int, float))}, step=epoch)
-                log_grid(acc, self.grids.get(label), epoch)  # the grid as an image in TensorBoard / W&B
             acc.wait_for_everyone()
         return result
 
@@ -90,6 +88,7 @@ class Evaluator:
             result.update(grouped_board_diversity(latents, e.seeds))  # distinct, board_distance
         elif e.seeds > 1:
             result["latent_diversity"] = latent_diversity(latents, e.seeds)
+        self.rewards[label] = components
         before = self._paired_samples(label, components)
         for name, values in components.items():
             result[name] = nanmean(values)

@@ -134,6 +134,10 @@ def check_rewards(config: RunConfig, adapter_cls=None, given: bool = False) -> N
     r = config.reward
     factory = None
     if not given:
+        if r.components:
+            from flowalign.reward_components import check
+
+            check(config)  # each component a registered reward with its own kwargs
         factory = reward_factory(r.name, "reward.name", source_of(config, "reward.name"))
         reward_arguments(factory, r.kwargs, r.name, "reward.kwargs", source_of(config, "reward.kwargs"))
         declared = getattr(factory, "components", ()) if isinstance(factory, type) else ()
@@ -272,11 +276,14 @@ def validate(config: RunConfig, missing_ok: bool = False, given=()) -> None:
 # -- the dry run ----------------------------------------------------------------------------
 def dry_run(config: RunConfig, recipe: str | None = None) -> str:
     """Validate ``config`` and say what training it would load and do (text, one fact a line)."""
+    from flowalign.inputs import check_inputs
+    from flowalign.memory_estimate import lines as memory_lines
     validate(config, missing_ok=True)
     cls = adapter_for(config)
     warnings: list[str] = []
     lines = [("recipe", recipe or "(defaults)"), ("method", _method_text(config, cls))]
     lines += _model_lines(config, cls, warnings)
+    lines += memory_lines(config, cls)  # parameters, memory estimate, download, license (flowalign/memory_estimate.py)
     lines += _reward_lines(config, warnings)
     lines += _data_lines(config, warnings)
     lines += _batch_lines(config, cls)
@@ -286,6 +293,7 @@ def dry_run(config: RunConfig, recipe: str | None = None) -> str:
     out = [f"dry run: {recipe or 'the configuration'} is valid; nothing was downloaded or loaded"]
     out += [f"  {k.ljust(width)}  {v}" for k, v in lines]
     out += [f"  warning: {w}" for w in warnings]
+    check_inputs(config, "\n".join(out))  # a file the run reads is missing: exit 2 after the report (flowalign/inputs.py)
     return "\n".join(out)
 
 

@@ -29,13 +29,18 @@ def builtin_recipes() -> dict[str, Path]:
 
 
 def describe(path: Path) -> str:
-    """A recipe's first comment line, without the ``#``."""
+    """A recipe's first sentence: its header comment's first paragraph up to the first full stop
+    (not an "et al."), joined from as many lines as it spans."""
+    import re
+
+    words = []
     for line in path.read_text().splitlines():
-        if line.startswith("#"):
-            return line.lstrip("# ").rstrip()
-        if line.strip():
+        if not line.startswith("#") or not line.lstrip("# ").strip():
             break
-    return ""
+        words.append(line.lstrip("# ").rstrip())
+    text = " ".join(words)
+    end = re.search(r"(?<!\bal)\.(\s|$)", text)
+    return text[:end.start() + 1] if end else text
 
 
 def find_recipe(name_or_path: str | Path) -> Path:

@@ -39,11 +39,14 @@ from flowalign.advantages import Advantages
 from flowalign.checkpoint import Checkpointer, outputs_disk_full
 from flowalign.config import ConfigError, RunConfig, to_dict
 from flowalign.distributed import Distributed
-from flowalign.ema import EMA, maybe_swapped_in
+from flowalign.ema import EMA, maybe_swapped_in, short_run_warning
 from flowalign.epoch_sampler import EpochBatch, EpochSampler
 from flowalign.evaluator import Evaluator, flat
 from flowalign.faults import NanEpochStreak, RewardGuard, finite_json
+from flowalign.callbacks import HubPush, TrackerLogging, fire
+from flowalign.hub import check_hub
 from flowalign.logs import add_default_handler, get_logger
+from flowalign.lr_schedule import lr_factor
 from flowalign.model_setup import build_model
 from flowalign.objectives.base import Context, Minibatch, objective_class
 from flowalign.outputs import init_trackers, write_hub_files
@@ -60,11 +63,13 @@ class Trainer:
     ``reward`` (a Reward or a reward function), ``train_prompts`` / ``eval_prompts`` (lists) and a
     loaded ``adapter``, when given, replace what the config names (``flowalign.train``, flowalign/api.py)."""
 
-    def __init__(self, config: RunConfig, *, reward=None, train_prompts=None, eval_prompts=None, adapter=None):
+    def __init__(self, config: RunConfig, *, reward=None, train_prompts=None, eval_prompts=None, adapter=None,
+                 callbacks=()):
         given = {key for key, value in (("reward", reward), ("data.train_prompts", train_prompts),
                                         ("data.eval_prompts", eval_prompts), ("model", adapter)) if value is not None}
         add_default_handler()  # messages through logging, main process only (flowalign/logs.py)
         validate(config, given=given)  # every check that needs no weights (flowalign/preflight.py: also `train --dry-run`)
+        check_hub(config)  # hub.repo: owner/name and a token, before training rather than after
         if config.threads:  # before any tensor work: a run's numbers depend on its thread count
             torch.set_num_threads(config.threads)
         self.config, t = config, config.train
@@ -94,7 +99,7 @@ class Trainer:
         built = build_model(config, acc, objective_cls, adapter)
         self.adapter, self.encode, self.params = built.adapter, built.encode, built.params
         self.model, self.optimizer = built.model, built.optimizer
-        self.ema = EMA(self.params, t.ema_decay) if t.ema_decay > 0 else None
+        self.ema = EMA(self.params, t.ema_decay, t.ema_warmup) if t.ema_decay > 0 else None
         ctx = Context(config, self.adapter, self.model, self.params, self.dist)
         self.sampler = EpochSampler(config, self.adapter, self.encode, self.reward, self.dist, self.train_specs)
         self.objective, self.hooks = experimental.attach(config, ctx, objective_cls, self.encode, self.sampler)
@@ -107,6 +112,7 @@ class Trainer:
         self.resumed_seconds, self.session_start = 0.0, time.time()  # train time before this session; its start
         self.history: list[dict] = []
         self.evals: dict[str, dict] = {}
+        self.callbacks = [TrackerLogging(), HubPush(), *callbacks]  # flowalign/callbacks.py: the built-ins, then yours
 
     def _checkpointer(self) -> Checkpointer:
         """Every stateful component under its name (flowalign/checkpoint.py)."""
@@ -148,7 +154,7 @@ class Trainer:
                 stats = self.train_epoch()
                 self.epoch = epoch + 1
                 self.history.append(stats)
-                acc.log(stats, step=self.epoch)
+                fire(self.callbacks, "on_epoch_end", self, self.epoch, stats)  # the trackers, then yours
                 nan_streak.observe(stats, self.epoch)  # a reward NaN for every sample, epoch after epoch: stop
                 bar.set_postfix(reward=f"{stats['reward/mean']:.3f}",  # and what the objective names (e.g. clipfrac)
                                 **{k: f"{stats.get('train/' + k, 0):.2f}" for k in self.objective.progress})
@@ -160,26 +166,32 @@ class Trainer:
                 saved = None
                 if cfg.checkpoint_every and self.epoch % cfg.checkpoint_every == 0:
                     saved = self.save_checkpoint()
+                    fire(self.callbacks, "on_checkpoint", self, self.epoch, saved)  # hub.strategy checkpoint: a push
                 # every process stops at the same epoch, whichever of them got the signal
                 if self.epoch < cfg.train.epochs and self.dist.any(stop.requested is not None):
                     bar.close()
                     return self._stopped(stop.requested or "a signal to another process",
                                          saved or self.save_checkpoint())
             self.evals["after"] = self.evaluate("after")
+            if self.ema is not None and (warning := short_run_warning(self.ema)) and acc.is_main_process:
+                log.warning("%s", warning)
             self.save_checkpoint()
             with outputs_disk_full(self.out):
                 summary = self._write_outputs(self.resumed_seconds + time.time() - start)
+            fire(self.callbacks, "on_train_end", self, summary)  # hub.repo: final/ as `flowalign push` uploads it
         acc.end_training()
         return summary
 
     def train_epoch(self) -> dict:
         """sample → score → advantages → (hooks) → update → end-epoch."""
         t0, cpu0 = time.time(), time.process_time()
-        warmup = self.config.train.warmup_epochs
-        for group in self.optimizer.param_groups:  # linear warm-up, a pure function of the epoch
-            group["lr"] = self.config.train.learning_rate * min(1.0, (self.epoch + 1) / (warmup + 1))
+        t = self.config.train  # the schedule is a pure function of the epoch (flowalign/lr_schedule.py)
+        factor = lr_factor(t.lr_schedule, self.epoch, t.warmup_epochs, t.epochs)
+        for group in self.optimizer.param_groups:
+            group["lr"] = t.learning_rate * factor
         with self.dist.full_params(self.model), self.objective.sampling_weights():
             batch = self.sample_epoch()
+        fire(self.callbacks, "on_rollouts", self, self.epoch, batch)  # e.g. the captioned samples to the tracker
         advantages, stats = self.compute_advantages(batch)
         for hook in self.hooks:  # before the generator moves: its rollouts are the hook's on-policy data
             stats.update(hook.before_update(batch))
@@ -263,7 +275,10 @@ class Trainer:
 
     def evaluate(self, label: str) -> dict:
         """The held-out evaluation (flowalign/evaluator.py) with the evaluated weights (EMA if on)."""
-        return self.evaluator.evaluate(label, self.epoch, self._train_seconds())
+        result = self.evaluator.evaluate(label, self.epoch, self._train_seconds())
+        fire(self.callbacks, "on_evaluate", self, label, self.epoch, result, self.evaluator.grids.get(label),
+             self.evaluator.rewards.get(label, {}))
+        return result
 
     def _train_seconds(self, clock: str = "time/epoch_s") -> float:
         return sum(h.get(clock, 0.0) for h in self.history)

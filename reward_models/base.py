@@ -82,13 +82,28 @@ class FunctionReward(Reward):
         self.modality = getattr(fn, "modality", None)
 
     def __call__(self, samples, prompts, metadata) -> dict[str, torch.Tensor]:
-        out = self.fn(samples, prompts, metadata, **self.kwargs)
-        if isinstance(out, dict):
-            return out
-        if isinstance(out, torch.Tensor) and out.ndim == 1:
-            return {"score": out}
-        raise TypeError(f"reward function {self.name} must return a dict of [B] tensors or a tensor [B], got "
-                        f"{type(out).__name__}{tuple(out.shape) if isinstance(out, torch.Tensor) else ''}")
+        return reward_output(self.fn(samples, prompts, metadata, **self.kwargs), f"reward function {self.name}")
+
+
+def reward_output(out, who: str = "the reward") -> dict:
+    """A reward call's result as {component: [B]}: a dict as it is; a tensor [B] or a list of
+    numbers as the component ``score``; TRL's ``(rewards, metadata)`` pair as its rewards (the
+    metadata dropped). Anything else: TypeError naming ``who`` and what it returned.
+
+    >>> reward_output(([0.5, 1.0], {"note": "TRL's DDPO convention"}))
+    {'score': tensor([0.5000, 1.0000])}
+    """
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (dict, list, type(None))):
+        out = out[0]  # TRL's reward functions return (rewards, reward_metadata)
+    if isinstance(out, dict):
+        return out
+    if isinstance(out, (list, tuple)) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in out):
+        out = torch.tensor(out, dtype=torch.float32)
+    if isinstance(out, torch.Tensor) and out.ndim == 1:
+        return {"score": out}
+    shape = tuple(out.shape) if isinstance(out, torch.Tensor) else ""
+    raise TypeError(f"{who} must return a dict of [B] tensors, a tensor [B] or a list of B numbers (or TRL's "
+                    f"(rewards, metadata) pair), got {type(out).__name__}{shape}")
 
 
 class _FunctionFactory:
@@ -142,6 +157,7 @@ BUILTIN_REWARDS = {
     "audio_video": "reward_models.audio_video",
     "chess_puzzle": "reward_models.chess.reward",
     "clip_score": "reward_models.clip_score",
+    "combined": "reward_models.combined",
     "edit_fidelity": "reward_models.edit_fidelity",
     "hpsv2": "reward_models.hps",
     "jpeg_compressibility": "reward_models.jpeg",

@@ -130,12 +130,13 @@ def test_an_unreachable_hub_id_gives_an_actionable_message(monkeypatch):
     assert "huggingface-cli download someone/some-model" in message and "network" in message
 
 
-def test_a_missing_prompt_file_stops_training_but_not_the_dry_run(tmp_path, capsys, no_model_loads):
+def test_a_missing_prompt_file_stops_training_and_the_dry_run(tmp_path, capsys, no_model_loads):
     missing = tmp_path / "absent.txt"
     assert main(["train", DEMO, f"data.train_prompts={missing}", f"output_dir={tmp_path / 'run'}"]) == 2
     assert f"data.train_prompts: prompt file not found: tried {missing}" in capsys.readouterr().err
-    assert main(["train", DEMO, f"data.train_prompts={missing}", "--dry-run"]) == 0  # listed there as missing
-    assert "absent.txt" in capsys.readouterr().out
+    assert main(["train", DEMO, f"data.train_prompts={missing}", "--dry-run"]) == 2  # the report, then the error
+    out, err = capsys.readouterr()
+    assert "absent.txt" in out and f"missing here: data.train_prompts {missing}" in err
 
 
 def test_help_and_recipes_answer_before_torch_loads():

@@ -28,15 +28,17 @@ def finished_run(tiny_sd3_dir, tmp_path_factory):
 def test_final_has_a_model_card_with_the_numbers_and_the_grid(finished_run, tiny_sd3_dir):
     card = (finished_run / "final" / "README.md").read_text()
     metrics = json.loads((finished_run / "metrics.json").read_text())
-    assert card.startswith("---\nlibrary_name: diffusers\n")
-    assert "base_model:" not in card.split("---")[1]  # a local folder is no hub id: named in the text only
+    front = card.split("---")[1]
+    assert "library_name: diffusers" in front and "pipeline_tag: text-to-image" in front
+    assert "base_model:" not in front  # a local folder is no hub id: named in the text only
+    assert "license: other" in front and "set `model.license`" in card  # a local base of unknown license
     assert f"of `{tiny_sd3_dir}` (model family `sd3`), trained with **flow_grpo**" in card
     assert "the reward `shapes`" in card
     before, after = metrics["before"]["score"], metrics["after"]["score"]
     assert f"| score | {before:.4f} | {after:.4f} | {after - before:+.4f} |" in card
     assert "| prompts × samples per epoch | 2 × 4 |" in card and "| learning rate |" in card
     assert "![before (left) and after (right)" in card and (finished_run / "final" / "before_after.png").is_file()
-    assert 'pipe.load_lora_weights("THIS_REPO_OR_FOLDER")' in card
+    assert 'pipe.load_lora_weights("%s")' % (finished_run / "final") in card  # the run's own folder, until pushed
 
 
 def test_the_lora_file_names_its_base_model_and_still_loads_in_diffusers(finished_run, tiny_sd3_dir):
@@ -116,10 +118,12 @@ def test_push_uploads_final_to_the_hub(finished_run, stand_in_hub, capsys):
     uploaded = StandInHub.repos["me/tiny-lora"]
     final = finished_run / "final"
     assert set(uploaded) == {p.name for p in final.iterdir()} >= {"README.md", "pytorch_lora_weights.safetensors",
-                                                                   "before_after.png"}
-    assert all(uploaded[name] == (final / name).read_bytes() for name in uploaded)
+                                                                   "before_after.png", "flowalign_config.yaml"}
+    assert all(uploaded[name] == (final / name).read_bytes() for name in uploaded if name != "README.md")
+    card = uploaded["README.md"].decode()  # the snippet loads from the repository, not the local folder
+    assert 'pipe.load_lora_weights("me/tiny-lora")' in card and str(finished_run) not in card.split("## Use")[1]
     assert all(auth == "Bearer hf_stand_in_token" for _, _, auth in StandInHub.requests)
-    assert StandInHub.cards == [(final / "README.md").read_text()]  # its front matter validated
+    assert StandInHub.cards == [card]  # its front matter validated
     assert "uploaded" in capsys.readouterr().out
 
 
@@ -127,3 +131,24 @@ def test_push_refuses_a_run_without_final(tmp_path, stand_in_hub, capsys):
     assert main(["push", str(tmp_path), "--repo", "me/x", "--endpoint", stand_in_hub]) == 2
     assert "no final/README.md" in capsys.readouterr().err
     assert StandInHub.requests == []  # nothing sent
+
+
+def test_push_without_a_token_is_one_line(finished_run, stand_in_hub, monkeypatch, capsys):
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setenv("HF_HOME", str(finished_run.parent / "no-hf-home"))  # no stored login either
+    assert main(["push", str(finished_run), "--repo", "me/x", "--endpoint", stand_in_hub]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no hub token" in err and "hf auth login" in err
+    assert StandInHub.requests == []
+
+
+def test_push_to_an_unreachable_hub_is_one_line(finished_run, monkeypatch, capsys):
+    import socket
+
+    monkeypatch.setenv("HF_TOKEN", "hf_stand_in_token")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["push", str(finished_run), "--repo", "me/x", "--endpoint", f"http://127.0.0.1:{port}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot be reached" in err and f"127.0.0.1:{port}" in err

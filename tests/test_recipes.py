@@ -51,6 +51,9 @@ USER_PROMPTS = {"flux_kontext_flow_grpo_counting_edit.yaml", "qwen_image_edit_fl
                 "wan22_ti2v_i2v_flow_grpo_temporal.yaml"}
 
 
+USER_FILES = {"sd15_ddpo_aesthetic.yaml"}  # the aesthetic predictor's weights: never downloaded
+
+
 def test_the_real_model_recipes_exist():
     assert set(HUB_IDS) <= {p.name for p in RECIPES}
 
@@ -58,10 +61,13 @@ def test_the_real_model_recipes_exist():
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_every_recipe_passes_the_dry_run(recipe, no_loading, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # recipes name their prompt files relative to their own folder
-    assert main(["train", str(recipe), "--dry-run"]) == 0
-    out = capsys.readouterr().out
-    if recipe.name not in USER_PROMPTS:  # every other recipe ships its prompts (configs/prompts/SOURCES.md)
-        assert "not found here" not in out
+    missing = recipe.name in USER_PROMPTS or recipe.name in USER_FILES
+    assert main(["train", str(recipe), "--dry-run"]) == (2 if missing else 0)  # the report, then the missing files
+    out, err = capsys.readouterr()
+    if not missing:  # every other recipe ships its prompts (configs/prompts/SOURCES.md)
+        assert "not found here" not in out and err == ""
+    else:
+        assert err.count("\n") == 1 and "missing here: " in err and "The recipe says: " in err
     assert "is valid; nothing was downloaded or loaded" in out
     for line in ("weights", "trains", "components", "attention", "reward", "train prompts", "per epoch"):
         assert f"  {line} " in out
@@ -113,12 +119,14 @@ def test_a_bad_recipe_fails_the_dry_run_naming_the_key(recipe, edit, expected, t
         assert text in err
 
 
-def test_missing_local_inputs_are_warnings_and_a_missing_model_folder_an_error(tmp_path, no_loading, capsys,
+def test_missing_local_inputs_and_a_missing_model_folder_are_errors(tmp_path, no_loading, capsys,
                                                                                monkeypatch):
     monkeypatch.chdir(CONFIGS.parent)
-    assert main(["train", "configs/sd15_ddpo_aesthetic.yaml", "--dry-run"]) == 0
-    out = capsys.readouterr().out
+    assert main(["train", "configs/sd15_ddpo_aesthetic.yaml", "--dry-run"]) == 2
+    out, err = capsys.readouterr()
     assert "warning: reward 'aesthetic': mlp_path='./weights/sac+logos+ava1-l14-linearMSE.pth' does not exist" in out
+    assert "reward.kwargs.mlp_path ./weights/sac+logos+ava1-l14-linearMSE.pth" in err  # the file, and where from:
+    assert "christophschuhmann/improved-aesthetic-predictor" in err and err.count("\n") == 1
     bad = _variant(tmp_path, "shapes_flow_grpo.yaml", lambda t: t["model"].update(path=str(tmp_path / "nowhere")))
     assert main(["train", bad, "--dry-run"]) == 2
     assert "nowhere" in capsys.readouterr().err

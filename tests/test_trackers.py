@@ -176,3 +176,23 @@ def test_an_offline_wandb_run_holds_every_evaluation_grid_as_an_image(tiny_sd3_d
     logged = Image.open(run_dir / "files" / grids[-1][1]["filenames"][0]).convert("RGB")
     assert logged.tobytes() == saved.convert("RGB").tobytes()  # the very grid the run saved, lossless
     assert any("eval/score" in row for row in rows) and any("reward/mean" in row for row in rows)
+
+
+def test_every_accelerate_tracker_is_accepted_by_name():
+    from accelerate.utils import LoggerType
+
+    from flowalign.config import CHOICES
+
+    assert set(CHOICES["tracker"]) == {t.value for t in LoggerType} - {"all"} | {"none"}
+    config = load_config(None, ["tracker=mlflow"])
+    assert config.tracker == "mlflow"
+    with pytest.raises(ConfigError, match="tracker must be one of"):
+        load_config(None, ["tracker=neptune"])
+
+
+def test_a_missing_tracker_package_names_its_pip_line(monkeypatch):
+    from flowalign.outputs import check_tracker
+
+    monkeypatch.setitem(sys.modules, "comet_ml", None)
+    with pytest.raises(ConfigError, match="tracker: comet_ml is not installed; install it with `pip install comet-ml`"):
+        check_tracker(load_config(None, ["tracker=comet_ml"]))
