@@ -508,6 +508,11 @@ def check_values(config: RunConfig, where: str = "config") -> None:
 
 
 def to_dict(config) -> dict:
-    """The settings as plain data (``sources`` left out)."""
-    return {f.name: dataclasses.asdict(getattr(config, f.name)) if dataclasses.is_dataclass(getattr(config, f.name))
-            else copy.deepcopy(getattr(config, f.name)) for f in settings(config)}
+    """The settings as plain data (``sources`` left out; of the methods' ``train.*`` options only the
+    selected method's, so that the result loads back as a valid recipe)."""
+    out = {f.name: dataclasses.asdict(getattr(config, f.name)) if dataclasses.is_dataclass(getattr(config, f.name))
+           else copy.deepcopy(getattr(config, f.name)) for f in settings(config)}
+    owners = option_owners(method_options(), _GeneralTrainConfig)
+    out["train"] = {k: v for k, v in out["train"].items()
+                    if owners.get(k, "general") == "general" or config.method in owners[k].split(", ")}
+    return out
