@@ -80,7 +80,7 @@ def peer_checkout(src: str | None) -> Path | None:
                     tar.extractall(tmp, members=members, filter="data")
                     Path(tmp, f"flow_grpo-{PEER_COMMIT}").rename(target)
         return target
-    except Exception as error:  # no network, no GitHub: the caller skips
+    except Exception as error:  # noqa: BLE001  (no network, no GitHub, a bad archive: the caller skips)
         print(f"could not download {url}: {type(error).__name__}: {error}")
         return None
 
@@ -234,7 +234,6 @@ class Sides:
 
 def step_ratios(sides: Sides, rounds: int) -> dict:
     """LoRA, LoRA + KL and full fine-tune steps over a forward, both sides, paired per round."""
-    peer = sides.peer
     generator = torch.Generator().manual_seed(0)
     cases = {"lora": (sides.lora, 0.0), "lora_kl": (sides.lora_kl, 0.04), "full": (sides.full, 0.0)}
     samples = {}
