@@ -187,7 +187,7 @@ def test_the_eval_grid_shows_each_input_beside_its_outputs(world, tmp_path):
     assert (corner.mean() - torch.from_numpy(np.array(scene)).float().mean()).abs() < 20
 
 
-def test_edit_fidelity_blends_input_similarity_and_text_alignment(world, clip_dir):  # noqa: F811
+def test_edit_fidelity_blends_input_similarity_and_text_alignment(world, clip_dir):
     model, processor = load_clip(clip_dir)
     records = _records(world)
     samples = torch.rand(2, 3, SIZE, SIZE)
