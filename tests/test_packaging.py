@@ -18,6 +18,8 @@ from flowalign.config import ConfigError, load_config
 from flowalign.recipes import builtin_recipes, find_recipe
 from reward_models.base import BUILTIN_REWARDS, INSTALL, REWARD_PACKAGES, register_reward
 
+pytestmark = pytest.mark.slow  # installs and subprocesses
+
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 OPTIONAL = sorted({p for packages in REWARD_PACKAGES.values() for p in packages})
@@ -41,7 +43,6 @@ import flowalign, flowalign.trainer, flowalign.preflight
 from flowalign.config import ConfigError, load_config
 from reward_models.base import MissingRewardPackage, available_rewards, build_reward
 
-pytestmark = pytest.mark.slow
 out = {{"available": available_rewards()}}
 jpeg = build_reward("jpeg_compressibility")
 out["jpeg"] = jpeg(torch.zeros(2, 3, 16, 16), ["a", "b"], [{{}}, {{}}])["jpeg_compressibility"].tolist()
