@@ -221,8 +221,8 @@ def check_prompt_sets(config: RunConfig, missing_ok: bool = False, given=()) -> 
         try:
             records = load_prompts(source)
         except (ValueError, OSError) as error:  # a bad split, type or JSON line; a missing file
-            if missing_ok and isinstance(error, FileNotFoundError):
-                continue
+            if missing_ok and isinstance(error, FileNotFoundError) and not Path(source).expanduser().exists():
+                continue  # the prompt file itself is not on this machine (a conditioning image it names is)
             named = "" if Path(source).name in str(error) else f" {source}"  # a file's errors name it
             raise ConfigError(f"{where}: {key}{named}: {error}") from None
         if not any(str(r["prompt"]).strip() for r in records):
@@ -236,6 +236,9 @@ def check_output_dir(config: RunConfig) -> None:
     if blocking is not None:
         raise ConfigError(f"{source_of(config, 'output_dir')}: output_dir: {blocking} is a file, not a folder; "
                           "name a folder (it is created when missing)")
+    from flowalign.run_folder import check_ownership
+
+    check_ownership(config, source_of(config, "output_dir"))  # a finished or started run there: resume or overwrite
 
 
 def validate(config: RunConfig, missing_ok: bool = False, given=()) -> None:

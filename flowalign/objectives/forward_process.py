@@ -9,11 +9,12 @@ import torch
 
 from flowalign.objectives.base import BaseObjective
 from pipelines.base import NoisesForward
+from flowalign.domains import Annotated, at_least
 
 
 @dataclass
 class NoisingOptions:
-    noise_draws: int = 4  # noising draws (distinct schedule σ's) per sample per minibatch (train.noise_draws)
+    noise_draws: Annotated[int, at_least(1)] = 4  # noising draws (distinct schedule σ's) per sample per minibatch (train.noise_draws)
 
 
 def forward_draws(dist, traj, k: int, share: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
