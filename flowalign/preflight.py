@@ -251,7 +251,11 @@ def validate(config: RunConfig, missing_ok: bool = False, given=()) -> None:
 
     from flowalign.outputs import check_launch_precision, check_tracker
 
+    from flowalign.untrusted import check_model_folder
+
     check_values(config)
+    if "model" not in given:  # a local folder's index, configs and weight headers, before anything reads them
+        check_model_folder(config.model.path, f"{source_of(config, 'model.path')}: model.path")
     check_tracker(config)
     check_launch_precision(config)
     cls = check_model(config)
