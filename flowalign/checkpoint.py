@@ -298,14 +298,15 @@ def _fsync(paths: list[Path]) -> None:
                 os.close(fd)
 
 
-DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
+DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122", "File too large",
+                  "os error 27", "Read-only file system", "os error 30")
 
 
 def _is_disk_full(error: BaseException | None) -> bool:
     """ENOSPC / EDQUOT anywhere in the exception chain, also where a writer reports it only in its
     message (safetensors' Rust writer: "... (os error 28)")."""
     while error is not None:
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT) \
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS) \
                 or any(text in str(error) for text in DISK_FULL_TEXT):
             return True
         error = error.__cause__ or error.__context__

@@ -20,6 +20,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from flowalign import arguments as A
+
 # Nothing heavy at the top: ``flowalign --help`` and ``flowalign train --help`` answer after parsing
 # the arguments, before torch, diffusers or the trainer load (scripts/benchmark_cli_startup.py);
 # each command imports what it needs.
@@ -46,13 +48,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="attention backend (default: auto: xformers on CUDA when installed, else sdpa)")
     p.add_argument("--model-kwargs", default=None, metavar="MAPPING",
                    help="adapter options as a YAML/JSON mapping, e.g. '{max_sequence_length: 256}' (model.kwargs)")
-    p.add_argument("--steps", type=int, default=None, help="sampling steps (default: 10 ODE steps; chess: 16 "
+    p.add_argument("--steps", type=A.integer(1), default=None, help="sampling steps (default: 10 ODE steps; chess: 16 "
                                                            "unmasking steps)")
-    p.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--guidance", type=A.number(0), default=1.0, help="classifier-free guidance scale")
+    p.add_argument("--threads", type=A.integer(0), default=None,
                    help="torch CPU threads (default: --config's threads, else 1, as a run's; 0 = one per core). "
                         "Images depend on it, as a run's numbers do")
-    p.add_argument("--seeds", default="0,1,2,3",
+    p.add_argument("--seeds", default="0,1,2,3", type=A.seeds,
                    help="comma-separated seeds; the same seed gives the same initial noise under every policy "
                         "(eval: prompt i's seed s is row i·(max seed + 1) + s of a run's own evaluation noise, "
                         "flowalign.evaluation.held_out_noise)")
@@ -165,16 +167,29 @@ def _records(prompts: list[str], images: list[str] | None) -> list[dict]:
     return [resolve_image({"prompt": p, "image": i}, Path.cwd() / "--image") for p, i in zip(prompts, images)]
 
 
+def _prompt_file(source: str) -> list[dict]:
+    from flowalign.config import ConfigError
+    from flowalign.prompts import load_prompts
+
+    try:
+        records = load_prompts(source)
+    except ValueError as error:
+        raise ConfigError(f"--prompts: {error}") from None
+    if not records:
+        raise ConfigError(f"--prompts {source}: holds no prompts (empty, or blank lines only)")
+    return records
+
+
 def cmd_grid(args) -> int:
     import torch
 
     from flowalign.evaluation import load_policy, resolve_policies, sample_images
     from flowalign.grids import as_image_cells, labelled_grid, save_gif, save_grid, with_inputs
-    from flowalign.prompts import load_prompts
 
     if args.image and not args.prompt:
         raise FileNotFoundError("--image goes with --prompt (a prompt file's records carry their own \"image\")")
-    records = _records(args.prompt, args.image) if args.prompt else load_prompts(args.prompts)[: args.max_prompts]
+    A.output_file("--out", args.out)
+    records = _records(args.prompt, args.image) if args.prompt else _prompt_file(args.prompts)[: args.max_prompts]
     prompts = [r["prompt"] for r in records]
     inputs = [r.get("image") for r in records]
     seeds, policies = _seeds(args), resolve_policies(args.policies)
@@ -204,11 +219,15 @@ def cmd_grid(args) -> int:
 
 def cmd_eval(args) -> int:
     from flowalign.evaluation import evaluate, is_change_key, metric_cell, resolve_policies
-    from flowalign.prompts import load_prompts
-    from reward_models.base import build_reward
 
-    records = load_prompts(args.prompts)[: args.max_prompts]
-    rewards = {name: build_reward(name) for name in args.rewards.split(",")}
+    from flowalign.faults import built_reward
+    from flowalign.preflight import reward_factory
+
+    A.output_folder("--out", args.out)
+    records = _prompt_file(args.prompts)[: args.max_prompts]
+    for name in args.rewards.split(","):
+        reward_factory(name.strip(), "--rewards", "eval")  # unknown or missing its package: before any model loads
+    rewards = {name.strip(): built_reward(name.strip(), {}) for name in args.rewards.split(",")}
     model, family, loading = _model_loading(args)
     summary = evaluate(resolve_policies(args.policies), records, rewards, args.out, model=model, family=family,
                        seeds=_seeds(args), steps=args.steps or 10, guidance=args.guidance, loading=loading)
@@ -225,18 +244,26 @@ def cmd_eval(args) -> int:
 def cmd_report(args) -> int:
     from flowalign.report import build_report
 
-    path = build_report(args.run, args.out, args.eval or [], args.image or [])
+    from flowalign.config import ConfigError
+
+    if args.out:
+        A.output_file("--out", args.out, (".html", ".htm"))
+    try:
+        path = build_report(args.run, args.out, args.eval or [], args.image or [])
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     print(f"wrote {path}")
     return 0
 
 
 def cmd_reward_server(args) -> int:
-    import json
-
-    from reward_models.base import build_reward
+    from flowalign.faults import built_reward
+    from flowalign.preflight import reward_arguments, reward_factory
     from reward_models.remote import make_server
 
-    reward = build_reward(args.reward, **json.loads(args.kwargs))
+    factory = reward_factory(args.reward, "--reward", "reward-server")
+    reward_arguments(factory, args.kwargs, args.reward, "--kwargs", "reward-server")
+    reward = built_reward(args.reward, args.kwargs)
     server = make_server(reward, args.reward, args.host, args.port, args.max_batch, int(args.max_payload_mb * 2**20),
                          args.max_image_pixels, args.max_request_pixels, args.timeout_s, args.idle_timeout_s)
     host, port = server.server_address[:2]
@@ -256,6 +283,7 @@ def cmd_sample(args) -> int:
     model, family, loading = _model_loading(args)
     if family == "chess":
         return _sample_chess(args, model, loading, seeds)
+    A.output_file("--out", args.out)
     for flag, value in (("--partial-fen", args.partial_fen), ("--grid", args.grid)):
         if value is not None:
             from flowalign.config import ConfigError
@@ -321,11 +349,19 @@ def cmd_push(args) -> int:
 
     from flowalign.outputs import push_run
 
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(args.repo)
+    except HFValidationError as error:
+        raise A.argparse.ArgumentTypeError(f"--repo {args.repo!r}: {str(error).splitlines()[0]}") from None
     try:
         commit = push_run(args.run, args.repo, private=args.private, endpoint=args.endpoint, message=args.message)
-    except HfHubHTTPError as error:  # no token, no rights, the hub down: one line, no traceback
-        print(f"flowalign: error: pushing {args.run}/final to {args.repo} failed: {str(error).splitlines()[0]}",
-              file=sys.stderr)
+    except (HfHubHTTPError, OSError) as error:  # no token, no rights, the hub down or unreachable: one line
+        if isinstance(error, FileNotFoundError):
+            raise
+        print(f"flowalign: error: pushing {args.run}/final to {args.repo} ({args.endpoint or 'the hub'}) failed: "
+              f"{str(error).splitlines()[0]}", file=sys.stderr)
         return 1
     print(f"uploaded {args.run}/final to {args.repo}: {commit}")
     return 0
@@ -370,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "without sampling. Overrides as for train.")
     p.add_argument("config", help="YAML recipe: a path (configs/shapes_gdro.yaml) or a built-in recipe's name")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    p.add_argument("--groups", type=int, default=512, help="prompt groups to generate (rounded up to whole "
+    p.add_argument("--groups", type=A.integer(1), default=512, help="prompt groups to generate (rounded up to whole "
                                                            "train.groups_per_epoch batches)")
     p.set_defaults(func=cmd_generate_groups)
 
@@ -387,11 +423,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy_args(p)
     p.add_argument("--prompts", default="shapes:test", help="shapes:test, a .txt / .jsonl / .csv prompt file or "
                    "hf:PATH[:SPLIT] (a Hugging Face dataset)")
-    p.add_argument("--prompt", action="append", help="a prompt (repeatable; overrides --prompts)")
+    p.add_argument("--prompt", action="append", type=A.prompt, help="a prompt (repeatable; overrides --prompts)")
     p.add_argument("--image", action="append", help="an image-conditioned family's input image for each --prompt "
                    "(repeatable, in order; several inputs of one prompt separated by |); a prompt file's records "
                    "carry their own, and the grid shows each row's input first")
-    p.add_argument("--max-prompts", type=int, default=12)
+    p.add_argument("--max-prompts", type=A.integer(1), default=12)
     p.add_argument("--out", default="grid.png")
     p.set_defaults(func=cmd_grid)
 
@@ -406,8 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy_args(p)
     p.add_argument("--prompts", default="shapes:test", help="shapes:test, a .txt / .jsonl / .csv prompt file or "
                    "hf:PATH[:SPLIT] (a Hugging Face dataset)")
-    p.add_argument("--max-prompts", type=int, default=None)
-    p.add_argument("--rewards", default="shapes", help="comma-separated registered rewards, e.g. "
+    p.add_argument("--max-prompts", type=A.integer(1), default=None)
+    p.add_argument("--rewards", default="shapes", type=A.names, help="comma-separated registered rewards, e.g. "
                                                        "shapes,jpeg_compressibility")
     p.add_argument("--out", default="eval", help="output folder")
     p.set_defaults(func=cmd_eval)
@@ -424,18 +460,18 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Binds 127.0.0.1 unless --host is given; requests arriving together are "
                                    "scored in one batch.")
     p.add_argument("--reward", required=True, help="a registered reward name, e.g. shapes")
-    p.add_argument("--kwargs", default="{}", help="JSON keyword arguments for the reward")
+    p.add_argument("--kwargs", default={}, type=A.json_object, help="JSON keyword arguments for the reward")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 exposes it to the network)")
-    p.add_argument("--port", type=int, default=8765)
-    p.add_argument("--max-batch", type=int, default=64, help="most samples per reward call")
-    p.add_argument("--max-payload-mb", type=float, default=64, help="larger requests are refused (HTTP 413)")
-    p.add_argument("--max-image-pixels", type=int, default=2**22,
+    p.add_argument("--port", type=A.integer(0, 65535), default=8765)
+    p.add_argument("--max-batch", type=A.integer(1), default=64, help="most samples per reward call")
+    p.add_argument("--max-payload-mb", type=A.number(0, True), default=64, help="larger requests are refused (HTTP 413)")
+    p.add_argument("--max-image-pixels", type=A.integer(1), default=2**22,
                    help="most pixels one sample may decode to (an NPY sample: values / 3); more: HTTP 413")
-    p.add_argument("--max-request-pixels", type=int, default=2**26,
+    p.add_argument("--max-request-pixels", type=A.integer(1), default=2**24,
                    help="most pixels all samples of one request may decode to; more: HTTP 413")
-    p.add_argument("--timeout-s", type=float, default=300,
+    p.add_argument("--timeout-s", type=A.number(0, True), default=300,
                    help="seconds to receive a request's body (else 408) and to score it (else 503)")
-    p.add_argument("--idle-timeout-s", type=float, default=30,
+    p.add_argument("--idle-timeout-s", type=A.number(0, True), default=30,
                    help="a connection that sends nothing for this long is closed (its thread ends)")
     p.set_defaults(func=cmd_reward_server)
 
@@ -456,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Stockfish's solution and the themes found on it.")
     _add_model_args(p)
     p.add_argument("--weights", default=None, help="trained weights: a run's final/ or a checkpoint's policy/")
-    p.add_argument("prompt")
+    p.add_argument("prompt", type=A.prompt)
     p.add_argument("--image", default=None, help="the input image of an image-conditioned family (several inputs "
                    "separated by |)")
     p.add_argument("--out", default="sample-{seed}.png", help="output path; {seed} is replaced (chess: .pgn or .csv)")
@@ -465,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fixed", default="pieces",
                    help="chess: what of --partial-fen to keep, a comma list of 'pieces' (its occupied squares), "
                         "square names, 'turn', 'castling', 'ep' or 'all' (default: pieces)")
-    p.add_argument("--nodes", type=int, default=100_000, help="chess: Stockfish nodes per search")
+    p.add_argument("--nodes", type=A.integer(1), default=100_000, help="chess: Stockfish nodes per search")
     p.add_argument("--move-schedule", default="joint", choices=("joint", "last"),
                    help="chess: unmask the model's own best move with the board (joint) or after it, as the "
                         "most probable legal move (last; docs/chess.md)")
@@ -498,9 +534,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError) as error:  # FileNotFoundError covers pipelines' ModelNotFoundError
+    except (ConfigError, FileNotFoundError, argparse.ArgumentTypeError) as error:  # + pipelines' ModelNotFoundError
         print(f"flowalign: error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # a read-only, full or size-limited disk, a port in use: the path or address named
+        from flowalign.faults import describe_os_error
+
+        print(f"flowalign: error: {describe_os_error(error)}", file=sys.stderr)
+        return 1
     except Exception as error:
         if isinstance(error, loaded_classes(USAGE_ERRORS)):
             print(f"flowalign: error: {error}", file=sys.stderr)

@@ -17,6 +17,7 @@ deleted, so the last checkpoint is there to continue from (docs/faults.md).
 
 from __future__ import annotations
 
+import errno
 import math
 import sys
 import threading
@@ -173,6 +174,21 @@ def built_reward(name: str, kwargs: dict):
         given = f" with reward.kwargs {kwargs}" if kwargs else ""
         raise ConfigError(f"reward {name!r} could not be built{given}: {type(error).__name__}: "
                           f"{_first_line(error)}") from None
+
+
+WRITE_FAULTS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+                errno.EFBIG: "the file size limit is reached (ulimit -f)", errno.EROFS: "the file system is read-only",
+                errno.EACCES: "permission denied", errno.EPERM: "permission denied"}
+
+
+def describe_os_error(error: OSError) -> str:
+    """One line: what failed, on which path (or address), and what it means."""
+    where = error.filename or ""
+    meaning = WRITE_FAULTS.get(error.errno) or error.strerror or str(error)
+    if error.errno == errno.EADDRINUSE:
+        meaning = "the address (host:port) is in use by another process"
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return f"{where}: {meaning} ({first})" if where else f"{meaning} ({first})"
 
 
 def finite_json(value):
