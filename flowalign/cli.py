@@ -263,9 +263,26 @@ def cmd_reward_server(args) -> int:
 
     factory = reward_factory(args.reward, "--reward", "reward-server")
     reward_arguments(factory, args.kwargs, args.reward, "--kwargs", "reward-server")
+    import os
+
+    from flowalign.config import ConfigError
+    from flowalign.faults import describe_os_error
+    from reward_models.remote import LOCAL_HOSTS
+
+    token = args.token or os.environ.get("FLOWALIGN_REWARD_TOKEN")
+    if not token and args.host not in LOCAL_HOSTS:
+        raise ConfigError(f"--host {args.host} serves the network: give --token TOKEN (or FLOWALIGN_REWARD_TOKEN), "
+                          "which clients send as reward.kwargs.token")
+    if not token:
+        print("flowalign: warning: no --token: any process on this machine may call the reward", file=sys.stderr)
     reward = built_reward(args.reward, args.kwargs)
-    server = make_server(reward, args.reward, args.host, args.port, args.max_batch, int(args.max_payload_mb * 2**20),
-                         args.max_image_pixels, args.max_request_pixels, args.timeout_s, args.idle_timeout_s)
+    try:
+        server = make_server(reward, args.reward, args.host, args.port, args.max_batch,
+                             int(args.max_payload_mb * 2**20), args.max_image_pixels, args.max_request_pixels,
+                             args.timeout_s, args.idle_timeout_s, token=token)
+    except OSError as error:
+        raise ConfigError(f"--host {args.host} --port {args.port}: cannot serve there: {describe_os_error(error)}") \
+            from None
     host, port = server.server_address[:2]
     print(f"serving reward {args.reward!r} on http://{host}:{port} (GET /health, POST /score); Ctrl-C stops",
           flush=True)
@@ -463,6 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kwargs", default={}, type=A.json_object, help="JSON keyword arguments for the reward")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=A.integer(0, 65535), default=8765)
+    p.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN' (default: $FLOWALIGN_REWARD_TOKEN); "
+                   "needed when --host is not 127.0.0.1 / localhost / ::1")
     p.add_argument("--max-batch", type=A.integer(1), default=64, help="most samples per reward call")
     p.add_argument("--max-payload-mb", type=A.number(0, True), default=64, help="larger requests are refused (HTTP 413)")
     p.add_argument("--max-image-pixels", type=A.integer(1), default=2**22,
