@@ -87,5 +87,90 @@ def output_folder(flag: str, path: str, shown: str | None = None) -> None:
     blocking = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise ConfigError(f"{flag} {shown or path}: {blocking} is a file, not a folder")
-    if not out.exists() and not out.parent.exists():
-        raise ConfigError(f"{flag} {shown or path}: the folder {out.parent} does not exist")
+
+
+def check_kinds(defaults: dict, given: dict, where: str, owner: str) -> None:
+    """Each given value of the kind of its argument's default (a number for a number, a string for a
+    string, a bool for a bool): ``reward.kwargs={min_area: lots}`` stops here, not in the reward's
+    first batch. Arguments without a plain default pass."""
+    from flowalign.errors import ConfigError
+
+    for arg, value in given.items():
+        default = defaults.get(arg)
+        kinds = (int, float) if type(default) in (int, float) else (type(default),)
+        if default is not None and type(default) in (bool, int, float, str) and value is not None \
+                and (not isinstance(value, kinds) or isinstance(value, bool) != isinstance(default, bool)):
+            raise ConfigError(f"{where}.{arg}: {owner} takes {type(default).__name__} (default {default!r}), got "
+                              f"{type(value).__name__} {value!r}")
+
+
+def prompt_file(source: str) -> list[dict]:
+    """``--prompts``: its records, at least one (ConfigError naming the source otherwise)."""
+    from flowalign.errors import ConfigError
+    from flowalign.prompts import load_prompts
+
+    try:
+        records = load_prompts(source)
+    except ValueError as error:
+        raise ConfigError(f"--prompts: {error}") from None
+    if not records:
+        raise ConfigError(f"--prompts {source}: holds no prompts (empty, or blank lines only)")
+    return records
+
+
+def named_path(path: str):
+    """A write fault (full, read-only, size-limited disk) inside raised as an OSError naming ``path``."""
+    from flowalign.faults import write_fault_at
+
+    return write_fault_at(path)
+
+
+def reward_server(args):
+    """``flowalign reward-server``'s server, bound: the reward looked up, its --kwargs checked and the
+    reward built, a --token required beyond loopback (a warning without one on it), a bind error
+    named with the address; each failure one line (ConfigError)."""
+    import os
+    import sys
+
+    from flowalign.errors import ConfigError
+    from flowalign.faults import built_reward, describe_os_error
+    from flowalign.preflight import reward_arguments, reward_factory
+    from reward_models.remote import LOCAL_HOSTS, make_server
+
+    factory = reward_factory(args.reward, "--reward", "reward-server")
+    reward_arguments(factory, args.kwargs, args.reward, "--kwargs", "reward-server")
+    token = args.token or os.environ.get("FLOWALIGN_REWARD_TOKEN")
+    if not token and args.host not in LOCAL_HOSTS:
+        raise ConfigError(f"--host {args.host} serves the network: give --token TOKEN (or FLOWALIGN_REWARD_TOKEN), "
+                          "which clients send as reward.kwargs.token")
+    if not token:
+        print("flowalign: warning: no --token: any process on this machine may call the reward", file=sys.stderr)
+    reward = built_reward(args.reward, args.kwargs)
+    try:
+        return make_server(reward, args.reward, args.host, args.port, args.max_batch, int(args.max_payload_mb * 2**20),
+                           args.max_image_pixels, args.max_request_pixels, args.timeout_s, args.idle_timeout_s,
+                           token=token)
+    except OSError as error:
+        raise ConfigError(f"--host {args.host} --port {args.port}: cannot serve there: {describe_os_error(error)}") \
+            from None
+
+
+def push(args):
+    """``flowalign push``: the repo id checked, then the upload; a hub that refuses or cannot be
+    reached ends with one line naming the repo and the endpoint (ConfigError)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    from flowalign.errors import ConfigError
+    from flowalign.outputs import push_run
+
+    try:
+        validate_repo_id(args.repo)
+    except HFValidationError as error:
+        raise ConfigError(f"--repo {args.repo!r}: {str(error).splitlines()[0]}") from None
+    try:
+        return push_run(args.run, args.repo, private=args.private, endpoint=args.endpoint, message=args.message)
+    except (ConfigError, FileNotFoundError):
+        raise
+    except Exception as error:  # noqa: BLE001  (huggingface_hub's HTTP errors, httpx's connection errors)
+        raise ConfigError(f"pushing {args.run}/final to {args.repo} ({args.endpoint or 'the hub'}) failed: "
+                          f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}") from None

@@ -148,7 +148,8 @@ def cmd_generate_groups(args) -> int:
     from flowalign.group_generation import generate_groups
 
     config = load_config(args.config, args.overrides)
-    print(f"wrote {args.groups} groups to {generate_groups(config, args.groups)}")
+    with A.named_path(config.data.offline_groups or "data.offline_groups"):
+        print(f"wrote {args.groups} groups to {generate_groups(config, args.groups)}")
     return 0
 
 
@@ -167,19 +168,6 @@ def _records(prompts: list[str], images: list[str] | None) -> list[dict]:
     return [resolve_image({"prompt": p, "image": i}, Path.cwd() / "--image") for p, i in zip(prompts, images)]
 
 
-def _prompt_file(source: str) -> list[dict]:
-    from flowalign.config import ConfigError
-    from flowalign.prompts import load_prompts
-
-    try:
-        records = load_prompts(source)
-    except ValueError as error:
-        raise ConfigError(f"--prompts: {error}") from None
-    if not records:
-        raise ConfigError(f"--prompts {source}: holds no prompts (empty, or blank lines only)")
-    return records
-
-
 def cmd_grid(args) -> int:
     import torch
 
@@ -189,7 +177,7 @@ def cmd_grid(args) -> int:
     if args.image and not args.prompt:
         raise FileNotFoundError("--image goes with --prompt (a prompt file's records carry their own \"image\")")
     A.output_file("--out", args.out)
-    records = _records(args.prompt, args.image) if args.prompt else _prompt_file(args.prompts)[: args.max_prompts]
+    records = _records(args.prompt, args.image) if args.prompt else A.prompt_file(args.prompts)[: args.max_prompts]
     prompts = [r["prompt"] for r in records]
     inputs = [r.get("image") for r in records]
     seeds, policies = _seeds(args), resolve_policies(args.policies)
@@ -212,7 +200,8 @@ def cmd_grid(args) -> int:
     if any(inputs):  # an image-conditioned task: each row's input first, beside its outputs
         images = with_inputs(images, inputs, len(policies) * len(seeds))
         columns = {"input": ["image"], **columns}
-    save_grid(labelled_grid(images, prompts, columns), args.out, prompts)
+    with A.named_path(args.out):
+        save_grid(labelled_grid(images, prompts, columns), args.out, prompts)
     print(f"wrote {args.out} ({len(prompts)} prompts × {len(policies)} policies × {len(seeds)} seeds)")
     return 0
 
@@ -224,7 +213,7 @@ def cmd_eval(args) -> int:
     from flowalign.preflight import reward_factory
 
     A.output_folder("--out", args.out)
-    records = _prompt_file(args.prompts)[: args.max_prompts]
+    records = A.prompt_file(args.prompts)[: args.max_prompts]
     for name in args.rewards.split(","):
         reward_factory(name.strip(), "--rewards", "eval")  # unknown or missing its package: before any model loads
     rewards = {name.strip(): built_reward(name.strip(), {}) for name in args.rewards.split(",")}
@@ -244,45 +233,15 @@ def cmd_eval(args) -> int:
 def cmd_report(args) -> int:
     from flowalign.report import build_report
 
-    from flowalign.config import ConfigError
-
     if args.out:
         A.output_file("--out", args.out, (".html", ".htm"))
-    try:
-        path = build_report(args.run, args.out, args.eval or [], args.image or [])
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
+    path = build_report(args.run, args.out, args.eval or [], args.image or [])
     print(f"wrote {path}")
     return 0
 
 
 def cmd_reward_server(args) -> int:
-    from flowalign.faults import built_reward
-    from flowalign.preflight import reward_arguments, reward_factory
-    from reward_models.remote import make_server
-
-    factory = reward_factory(args.reward, "--reward", "reward-server")
-    reward_arguments(factory, args.kwargs, args.reward, "--kwargs", "reward-server")
-    import os
-
-    from flowalign.config import ConfigError
-    from flowalign.faults import describe_os_error
-    from reward_models.remote import LOCAL_HOSTS
-
-    token = args.token or os.environ.get("FLOWALIGN_REWARD_TOKEN")
-    if not token and args.host not in LOCAL_HOSTS:
-        raise ConfigError(f"--host {args.host} serves the network: give --token TOKEN (or FLOWALIGN_REWARD_TOKEN), "
-                          "which clients send as reward.kwargs.token")
-    if not token:
-        print("flowalign: warning: no --token: any process on this machine may call the reward", file=sys.stderr)
-    reward = built_reward(args.reward, args.kwargs)
-    try:
-        server = make_server(reward, args.reward, args.host, args.port, args.max_batch,
-                             int(args.max_payload_mb * 2**20), args.max_image_pixels, args.max_request_pixels,
-                             args.timeout_s, args.idle_timeout_s, token=token)
-    except OSError as error:
-        raise ConfigError(f"--host {args.host} --port {args.port}: cannot serve there: {describe_os_error(error)}") \
-            from None
+    server = A.reward_server(args)  # arguments, token, the reward built, the address bound: one-line errors
     host, port = server.server_address[:2]
     print(f"serving reward {args.reward!r} on http://{host}:{port} (GET /health, POST /score); Ctrl-C stops",
           flush=True)
@@ -316,7 +275,9 @@ def cmd_sample(args) -> int:
                            args.guidance)
     for seed, image in zip(seeds, images):
         path = args.out.replace("{seed}", str(seed)) if "{seed}" in args.out else f"{args.out[:-4]}-{seed}.png"
-        save_image(image, path)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with A.named_path(path):
+            save_image(image, path)
         print(f"wrote {path}")
     return 0
 
@@ -362,24 +323,7 @@ def _sample_chess(args, model: str, loading: dict, seeds: list[int]) -> int:
 
 
 def cmd_push(args) -> int:
-    from huggingface_hub.errors import HfHubHTTPError
-
-    from flowalign.outputs import push_run
-
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(args.repo)
-    except HFValidationError as error:
-        raise A.argparse.ArgumentTypeError(f"--repo {args.repo!r}: {str(error).splitlines()[0]}") from None
-    try:
-        commit = push_run(args.run, args.repo, private=args.private, endpoint=args.endpoint, message=args.message)
-    except (HfHubHTTPError, OSError) as error:  # no token, no rights, the hub down or unreachable: one line
-        if isinstance(error, FileNotFoundError):
-            raise
-        print(f"flowalign: error: pushing {args.run}/final to {args.repo} ({args.endpoint or 'the hub'}) failed: "
-              f"{str(error).splitlines()[0]}", file=sys.stderr)
-        return 1
+    commit = A.push(args)  # the repo id checked; no token, no rights, the hub down or unreachable: one line
     print(f"uploaded {args.run}/final to {args.repo}: {commit}")
     return 0
 

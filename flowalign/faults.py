@@ -17,6 +17,7 @@ deleted, so the last checkpoint is there to continue from (docs/faults.md).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import sys
@@ -189,6 +190,24 @@ def describe_os_error(error: OSError) -> str:
         meaning = "the address (host:port) is in use by another process"
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
     return f"{where}: {meaning} ({first})" if where else f"{meaning} ({first})"
+
+
+@contextlib.contextmanager
+def write_fault_at(path):
+    """An OSError, or a writer's error whose chain holds one (safetensors reports ENOSPC in its
+    message), re-raised as an OSError naming ``path``; other errors pass."""
+    from flowalign.checkpoint import _is_disk_full
+
+    try:
+        yield
+    except OSError as error:
+        if error.filename:
+            raise
+        raise OSError(error.errno, error.strerror or str(error), str(path)) from error
+    except Exception as error:  # noqa: BLE001
+        if not _is_disk_full(error):
+            raise
+        raise OSError(errno.ENOSPC, f"no space left while writing ({str(error).splitlines()[0]})", str(path)) from error
 
 
 def finite_json(value):

@@ -16,6 +16,7 @@ import json
 import math
 from pathlib import Path
 
+from flowalign.errors import ConfigError
 from flowalign.evaluation import is_change_key, metric_cell
 
 CURVE_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf", "#7f7f7f")
@@ -40,7 +41,7 @@ def read_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
             try:
                 record = json.loads(line)
             except ValueError:
-                raise ValueError(f"{run_dir / 'history.jsonl'}: line {step} is not JSON; the file is corrupt") from None
+                raise ConfigError(f"{run_dir / 'history.jsonl'}: line {step} is not JSON; the file is corrupt") from None
             for tag, value in (record.items() if isinstance(record, dict) else ()):
                 if isinstance(value, (int, float)):
                     series.setdefault(tag, {})[step] = float(value)
@@ -101,7 +102,7 @@ def _json(path: Path):
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path}: not valid JSON ({error}); the file is corrupt") from None
+        raise ConfigError(f"{path}: not valid JSON ({error}); the file is corrupt") from None
 
 
 def _img(path: Path) -> str:
@@ -153,7 +154,7 @@ def build_report(run_dir: str | Path, out: str | Path | None = None, eval_dirs: 
         if not Path(image).is_file():
             raise FileNotFoundError(f"--image {image}: no such file")
         if Path(image).read_bytes()[:8] != b"\x89PNG\r\n\x1a\n":
-            raise ValueError(f"--image {image}: not a PNG file")
+            raise ConfigError(f"--image {image}: not a PNG file")
     for eval_dir in eval_dirs:
         if not (Path(eval_dir) / "summary.json").is_file():
             raise FileNotFoundError(f"--eval {eval_dir}: no summary.json (an output folder of flowalign eval)")
