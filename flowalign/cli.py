@@ -78,6 +78,9 @@ def _model_loading(args) -> tuple[str, str, dict]:
 
     from pipelines import folder_family
 
+    from flowalign.untrusted import check_model_folder
+
+    check_model_folder(args.model or "", "--model")  # a local folder: its index, configs and weight headers
     family = args.family
     if family is None and args.config is None and args.model is not None:
         family = folder_family(args.model)  # a local folder names its pipeline: no --family needed

@@ -154,7 +154,7 @@ def read_lora(path: str | Path, prefix: str) -> tuple[dict, dict[str, torch.Tens
 def init_lora(adapter, path: str, where: str = "config") -> None:
     """Attach the LoRA at ``path`` (``read_lora``) to the adapter's denoiser, trainable, every
     weight of it loaded: the run starts exactly where that LoRA's run ended."""
-    from flowalign.untrusted import check_lora_fits
+    from flowalign.untrusted import check_lora_fits, warn_partial
 
     if len(adapter.denoisers()) != 1:
         raise ConfigError(f"{where}: model.init_lora: a family with several denoisers "
@@ -177,6 +177,8 @@ def init_lora(adapter, path: str, where: str = "config") -> None:
                           f"{len(missing)} LoRA weights missing (e.g. {missing[:2]}), {len(extra)} unknown "
                           f"(e.g. {extra[:2]})")
     adapter.load_trained_state_dict(state)
+    if (Path(path) / DIFFUSERS_LORA).is_file():
+        warn_partial(Path(path) / DIFFUSERS_LORA, {f"{adapter.model_folder}.{k}": v for k, v in state.items()})
     log.info("model.init_lora: started from %s (rank %d, alpha %g, %d LoRA tensors)", path, config["r"],
              config["lora_alpha"], len(state))
 

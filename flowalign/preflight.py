@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from flowalign.arguments import check_kinds
+from flowalign.run_folder import check_ownership
 from flowalign.untrusted import check_model_folder
 from flowalign.config import ConfigError, RunConfig, check_values, source_of
 
@@ -239,8 +240,6 @@ def check_output_dir(config: RunConfig) -> None:
     if blocking is not None:
         raise ConfigError(f"{source_of(config, 'output_dir')}: output_dir: {blocking} is a file, not a folder; "
                           "name a folder (it is created when missing)")
-    from flowalign.run_folder import check_ownership
-
     check_ownership(config, source_of(config, "output_dir"))  # a finished or started run there: resume or overwrite
 
 
@@ -255,8 +254,9 @@ def validate(config: RunConfig, missing_ok: bool = False, given=()) -> None:
     from flowalign.outputs import check_launch_precision, check_tracker
 
     check_values(config)
-    if "model" not in given:  # a local folder's index, configs and weight headers
-        check_model_folder(config.model.path, f"{source_of(config, 'model.path')}: model.path")
+    m = config.model
+    if "model" not in given:  # a local folder's index, configs and weight headers; sizes it can make
+        check_model_folder(m.path, f"{source_of(config, 'model.path')}: model.path", (m.height, m.width))
     check_tracker(config)
     check_launch_precision(config)
     cls = check_model(config)

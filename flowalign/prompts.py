@@ -38,14 +38,14 @@ def load_prompts(source: str | list) -> list[dict]:
     comment (the shipped prompt files say where they come from that way)."""
     if isinstance(source, (list, tuple)):
         if not source:
-            raise ValueError("prompt list: empty (prompts and eval_prompts need at least one prompt)")
+            raise ValueError("prompts: an empty list (prompts and eval_prompts need at least one prompt)")
         bad = next((i for i, p in enumerate(source) if not (isinstance(p, str) or isinstance(p, dict)
                                                             and isinstance(p.get("prompt"), str))), None)
         if bad is not None:
-            raise ValueError(f"prompt list: prompts[{bad}] is {type(source[bad]).__name__} {source[bad]!r:.60}, not a "
+            raise ValueError(f"prompts: prompts[{bad}] is {type(source[bad]).__name__} {source[bad]!r:.60}, not a "
                              "prompt (a string, or a record whose \"prompt\" is a string)")
         records = [{"prompt": p} if isinstance(p, str) else dict(p) for p in source]
-        return check_records(records, "prompt list")
+        return check_records(records, "prompts (a list)")
     if not isinstance(source, str):
         raise ValueError(f"prompts must be a list of prompts or a source name, got {type(source).__name__}")
     if source.startswith("shapes:"):

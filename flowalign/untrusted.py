@@ -37,11 +37,12 @@ def safetensors_header(path: Path, what: str) -> list[str]:
                           "truncated or corrupt") from None
 
 
-def check_model_folder(path: str, what: str = "model.path") -> None:
+def check_model_folder(path: str, what: str = "model.path", sizes=(None, None)) -> None:
     """A local diffusers folder a pipeline can load: model_index.json (UTF-8 JSON), every component it
     lists present, each component's config.json valid JSON, each model component's weights present
-    and their safetensors headers readable. A path that is not a local folder passes (built-in
-    demo names and hub ids are resolved elsewhere)."""
+    and their safetensors headers readable; ``sizes`` (height, width) multiples of what the model
+    needs. A path that is not a local folder passes (built-in demo names and hub ids are resolved
+    elsewhere)."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
         return
@@ -68,6 +69,26 @@ def check_model_folder(path: str, what: str = "model.path") -> None:
             for file in weights:
                 if file.suffix == ".safetensors":
                     safetensors_header(file, what)
+    multiple = size_multiple(folder)
+    for key, size in zip(("model.height", "model.width"), sizes):
+        if size is not None and multiple and size % multiple:
+            raise ConfigError(f"{what}: {key} {size} is not a multiple of {multiple} (this model's VAE downsampling × "
+                              f"patch size): use {max(multiple, size // multiple * multiple)}")
+
+
+def size_multiple(folder: Path) -> int | None:
+    """The pixel multiple an image size must be for the folder's model: the VAE's downsampling
+    (2^(len(block_out_channels) − 1)) × the denoiser's patch size; None when unknown."""
+    try:
+        vae = json.loads((folder / "vae" / "config.json").read_text())
+        scale = 2 ** (len(vae["block_out_channels"]) - 1)
+        patch = 1
+        for name in ("transformer", "unet"):
+            if (folder / name / "config.json").is_file():
+                patch = int(json.loads((folder / name / "config.json").read_text()).get("patch_size") or 1)
+        return scale * patch
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def read_lora_file(path: Path, what: str) -> dict:
@@ -149,13 +170,20 @@ def check_policy_weights(weights, load):
                           f"{str(error).strip().splitlines()[0][:300]})") from None
     if state is not None:
         check_lora_fits(state, adapter.model, adapter.model_folder, lora, what)
-        targets = _metadata_targets(lora)
-        named = {k[: -len(".lora_A.weight")] for k in state if k.endswith(".lora_A.weight")}
-        absent = [t for t in targets if not any(n.endswith("." + t) or n == t for n in named)]
-        if absent:
-            print(f"flowalign: warning: {lora}: the LoRA's metadata names the targets {targets}, but it holds no "
-                  f"weights for {absent}: only part of the trained LoRA is applied", file=sys.stderr, flush=True)
+        warn_partial(lora, state)
     return adapter
+
+
+def warn_partial(lora: Path, state: dict) -> None:
+    """A warning when the LoRA's metadata names targets it holds no weights for."""
+    import sys
+
+    targets = _metadata_targets(lora)
+    named = {k[: -len(".lora_A.weight")] for k in state if k.endswith(".lora_A.weight")}
+    absent = [t for t in targets if not any(n.endswith("." + t) or n == t for n in named)]
+    if absent:
+        print(f"flowalign: warning: {lora}: the LoRA's metadata names the targets {targets}, but it holds no "
+              f"weights for {absent}: only part of the trained LoRA is applied", file=sys.stderr, flush=True)
 
 
 def _metadata_targets(path: Path) -> list[str]:
