@@ -624,7 +624,7 @@ def checkpoint_cases() -> None:
 
 
 def reward_cases() -> None:
-    plugins = {"sweep_b_plus_1": "sweep_b_plus_1 9", "sweep_b_minus_1": "sweep_b_minus_1 7",
+    plugins = {"sweep_b_plus_1": "sweep_b_plus_1 shape", "sweep_b_minus_1": "sweep_b_minus_1 shape",
                "sweep_2d": "sweep_2d shape", "sweep_scalar": "sweep_scalar shape", "sweep_none": "sweep_none",
                "sweep_list_of_str": "sweep_list_of_str", "sweep_wrong_component": "sweep_wrong_component score",
                "sweep_inf": "sweep_inf inf", "sweep_complex": "sweep_complex",
