@@ -129,7 +129,8 @@ def cmd_train(args) -> int:
         print(dry_run(config, args.config))
         return 0
     try:
-        summary = train(config)
+        with A.named_path(config.output_dir):  # a write fault without a path (a full disk mid-write) names the run
+            summary = train(config)
     except RunStopped as error:  # a failing reward: say what is kept
         from flowalign.checkpoint import checkpoint_folders
 

@@ -196,7 +196,7 @@ def describe_os_error(error: OSError) -> str:
 def write_fault_at(path):
     """An OSError, or a writer's error whose chain holds one (safetensors reports ENOSPC in its
     message), re-raised as an OSError naming ``path``; other errors pass."""
-    from flowalign.checkpoint import _is_disk_full
+    from flowalign.checkpoint import CheckpointError, _is_disk_full
 
     try:
         yield
@@ -205,7 +205,7 @@ def write_fault_at(path):
             raise
         raise OSError(error.errno, error.strerror or str(error), str(path)) from error
     except Exception as error:  # noqa: BLE001
-        if not _is_disk_full(error):
+        if not _is_disk_full(error) or isinstance(error, CheckpointError):  # it names its path and what is kept
             raise
         raise OSError(errno.ENOSPC, f"no space left while writing ({str(error).splitlines()[0]})", str(path)) from error
 

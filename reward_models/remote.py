@@ -199,6 +199,11 @@ def _pixels(job: dict) -> int:
     return int(samples[0].numel() // 3) * len(samples) if len(samples) else 0
 
 
+# a reward call raising one of these on a request alone is that request's fault (400, not retried); any
+# other exception (a CUDA error, a RuntimeError) is the server's (500, retried by the client)
+INPUT_ERRORS = (KeyError, TypeError, ValueError, IndexError)
+
+
 class RequestFailed(ValueError):
     """The reward raised on this request alone (scored apart from the others of its batch): answered 422."""
 
@@ -378,6 +383,9 @@ def make_server(reward: Reward, name: str, host: str = "127.0.0.1", port: int = 
                 return self._answer(503, {"error": f"reward busy: {error}"})
             except RequestFailed as error:  # the others of its batch were scored: this request is at fault
                 return self._answer(400, {"error": f"bad request: {error}"})
+            except INPUT_ERRORS as error:  # what a reward raises on input it cannot read (a missing metadata key)
+                return self._answer(400, {"error": f"bad request: the reward could not read this request's samples or metadata: "
+                                                   f"{type(error).__name__}: {error}"})
             except Exception as error:  # noqa: BLE001  (the reward itself failed: the client retries)
                 return self._answer(500, {"error": f"reward failed: {type(error).__name__}: {error}"})
             self._answer(200, {"components": {k: [None if math.isnan(x) else x for x in v]
@@ -437,6 +445,9 @@ class _BoundedServer(ThreadingHTTPServer):
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)
+
+    def handle_error(self, request, client_address):  # a client gone or cut at its deadline: not worth a traceback
+        log.debug("connection from %s ended with an error", client_address, exc_info=True)
 
     def process_request_thread(self, request, client_address):
         try:

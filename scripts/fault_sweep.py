@@ -182,13 +182,15 @@ def run_case(case: Case, ctx: dict, w: Path) -> dict:
         case.setup(ctx, w)
     out, err, verdict_file = w / ".stdout", w / ".stderr", w / ".verdict"
     began = time.time()
+    read_end, write_end = os.pipe()  # a pipe, not a file: a case's file size limit must not cut its messages
     pid = os.fork()
     if pid == 0:
         code = 99
         try:
             os.setsid()
-            for fd, path in ((1, out), (2, err)):
-                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+            os.close(read_end)
+            os.dup2(write_end, 1)
+            os.dup2(write_end, 2)
             os.chdir(w)
             os.environ.update(case.env)
             if case.fsize is not None:
@@ -210,6 +212,14 @@ def run_case(case: Case, ctx: dict, w: Path) -> dict:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
+    os.close(write_end)
+
+    def copy():
+        with open(err, "wb") as f, os.fdopen(read_end, "rb") as pipe:
+            while chunk := pipe.read1(65536):
+                f.write(chunk)
+    copier = threading.Thread(target=copy, daemon=True)
+    copier.start()
     code = None
     while time.time() - began < case.timeout:
         done, status = os.waitpid(pid, os.WNOHANG)
@@ -224,6 +234,7 @@ def run_case(case: Case, ctx: dict, w: Path) -> dict:
             pass
         os.waitpid(pid, 0)
     seconds = time.time() - began
+    copier.join(5)  # the pipe closes when the child (and any process it left) is gone
     stderr = err.read_text(errors="replace") if err.exists() else ""
     verdict, why = classify(case, code, stderr, verdict_file.read_text() if verdict_file.exists() else None)
     if case.check is not None and verdict != "HANG":
@@ -959,7 +970,7 @@ def environment_cases() -> None:
         add("environment", "report_read_only", cli("report", "{done}", "--out", "{w}/disk/r.html"), "disk/r.html",
             setup=tmpfs("1m", ro=True), check=unmount)
         add("environment", "sample_read_only", cli("sample", "--model", "{tiny}", "x", "--seeds", "0", "--out",
-                                                   "{w}/disk/s.png"), "disk/s.png", setup=tmpfs("1m", ro=True),
+                                                   "{w}/disk/s.png"), "disk/s-0.png read-only", setup=tmpfs("1m", ro=True),
             check=unmount)
         add("environment", "generate_groups_full_disk", cli("generate-groups", "{recipe}", "method=gdro",
                                                             "data.offline_groups={w}/disk/groups", "--groups", "2"),
