@@ -24,9 +24,15 @@ Bounds, so that one client cannot take the server's memory or its time from the 
 request body (``max_payload`` bytes, checked against ``Content-Length`` before any byte is read; a
 negative or missing length is refused unread), the decoded pixels of one sample and of one request
 (``max_image_pixels``, ``max_request_pixels``, read from each PNG's header or NPY's shape before
-decoding; 413 naming the bound), the time to send the body and to score it (``timeout_s``: 408,
-503), and the time a connection may stay silent (``idle_timeout_s``, then it is closed and its
-thread ends). A malformed field answers 400 naming it.
+decoding; 413 naming the bound), the pixels of one reward call across merged requests
+(``max_batch_pixels``), the time to send the body and to score it (``timeout_s``: 408, 503), the
+time for a whole request head and for a silent connection (``idle_timeout_s``: a client dribbling
+its headers is cut then, by one reaper thread), and the open connections (``max_connections``, a
+thread each; past it 503 at once, with an accept queue of BACKLOG). A malformed field answers 400
+naming it; so does a request on which the reward raises an input error (KeyError, TypeError,
+ValueError, IndexError) alone or while the requests merged with it were scored: one bad request
+never fails the others. ``token``: every request needs ``Authorization: Bearer TOKEN`` (401);
+``flowalign reward-server`` requires one when binding beyond loopback.
 
 Client (reward name ``remote``): ``reward.name=remote reward.kwargs={url: http://host:port}``.
 Each call has a timeout and is retried with exponential backoff; when the server stays
@@ -62,7 +68,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_PAYLOAD = 64 * 2**20
 DEFAULT_MAX_IMAGE_PIXELS = 2**22  # 2048 × 2048 per sample (an NPY sample: its values / 3)
 DEFAULT_MAX_REQUEST_PIXELS = 2**24  # 16 samples of 1024 × 1024 per request (the client splits larger batches)
-DEFAULT_MAX_CONNECTIONS = 256  # open connections; more are answered 503 at once and closed
+DEFAULT_MAX_CONNECTIONS = 2048  # open connections (a thread each); more are answered 503 at once and closed
 BACKLOG = 1024  # connections the kernel queues before the server accepts them (socketserver's default: 5)
 DEFAULT_TIMEOUT_S = 300.0  # to receive a request's body, and to score it
 DEFAULT_IDLE_TIMEOUT_S = 30.0  # a connection silent this long is closed
@@ -316,23 +322,19 @@ def make_server(reward: Reward, name: str, host: str = "127.0.0.1", port: int = 
             self.end_headers()
             self.wfile.write(data)
 
-        def parse_request(self):  # the request line and headers are in: the header deadline is met
+        def parse_request(self):  # the request line and headers are in: the head deadline is met
             ok = super().parse_request()
-            watchdog = getattr(self, "_watchdog", None)
-            if watchdog is not None:
-                watchdog.cancel()
+            server.reaper.cancel(self.connection)
             return ok
 
         def handle_one_request(self):
             # the whole head (request line and headers) within idle_timeout_s, not each read: a client that
-            # dribbles a byte now and then is closed at the deadline
-            self._watchdog = threading.Timer(idle_timeout_s, _drop, args=(self.connection,))
-            self._watchdog.daemon = True
-            self._watchdog.start()
+            # dribbles a byte now and then is closed at the deadline (one reaper thread for every connection)
+            server.reaper.watch(self.connection, idle_timeout_s)
             try:
                 super().handle_one_request()
             finally:
-                self._watchdog.cancel()
+                server.reaper.cancel(self.connection)
 
         def _authorized(self) -> bool:
             if token is None or self.headers.get("Authorization", "") == f"Bearer {token}":
@@ -406,15 +408,38 @@ def make_server(reward: Reward, name: str, host: str = "127.0.0.1", port: int = 
             return b"".join(chunks)
 
     server = _BoundedServer((host, port), Handler, max_connections)
-    return server
+    return server  # the handlers reach server.reaper through this name
 
 
-def _drop(sock) -> None:
-    """Close a connection from another thread (its handler's read then ends)."""
-    try:
-        sock.shutdown(2)
-    except OSError:
-        pass
+class _Reaper:
+    """One thread that cuts connections whose request head is not in by their deadline."""
+
+    def __init__(self):
+        self.deadlines: dict = {}
+        self.lock = threading.Lock()
+        threading.Thread(target=self._run, daemon=True, name="head-deadlines").start()
+
+    def watch(self, sock, seconds: float) -> None:
+        with self.lock:
+            self.deadlines[sock] = time.monotonic() + seconds
+
+    def cancel(self, sock) -> None:
+        with self.lock:
+            self.deadlines.pop(sock, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.25)
+            now = time.monotonic()
+            with self.lock:
+                due = [sock for sock, deadline in self.deadlines.items() if deadline <= now]
+                for sock in due:
+                    del self.deadlines[sock]
+            for sock in due:
+                try:
+                    sock.shutdown(2)  # its handler's read ends; the thread closes the connection
+                except OSError:
+                    pass
 
 
 class _BoundedServer(ThreadingHTTPServer):
@@ -427,6 +452,7 @@ class _BoundedServer(ThreadingHTTPServer):
     def __init__(self, address, handler, max_connections: int):
         self.max_connections, self.open_connections = max_connections, 0
         self._count = threading.Lock()
+        self.reaper = _Reaper()
         super().__init__(address, handler)
 
     def process_request(self, request, client_address):
