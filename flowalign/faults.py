@@ -39,8 +39,10 @@ class RewardGuard:
     ``modality``) is the wrapped reward's. ``components``: the names a NaN batch gets when the
     reward declares none (the configured weights)."""
 
-    def __init__(self, reward, name: str, timeout_s: float | None, on_error: str, components=()):
-        self.reward, self.name, self.timeout_s, self.on_error = reward, name, timeout_s, on_error
+    def __init__(self, reward, name: str, timeout_s: float | None, on_error: str, components=(), inline=False):
+        # inline: called in the caller's thread (torch's thread settings are per thread, so the numbers of
+        # an evaluation reward stay those of a direct call), with the same result checks and error policy
+        self.reward, self.name, self.timeout_s, self.on_error, self.inline = reward, name, timeout_s, on_error, inline
         self.nan_components = tuple(getattr(reward, "components", ()) or components)
         self.needed = tuple(components)  # the weighted components: every result must hold them
         self.warn_after_s = SLOW_BATCH_S if timeout_s is None else min(SLOW_BATCH_S, timeout_s / 4)
@@ -78,6 +80,9 @@ class RewardGuard:
             except BaseException as error:  # noqa: BLE001  (SystemExit, KeyboardInterrupt of a plug-in too: by policy)
                 outcome["error"] = error
 
+        if self.inline:
+            call()
+            return self._outcome(outcome, batch, len(prompts))
         worker = threading.Thread(target=call, name=f"reward-{self.name}", daemon=True)
         worker.start()
         worker.join(self.warn_after_s if self.timeout_s is None else min(self.warn_after_s, self.timeout_s))
@@ -90,6 +95,9 @@ class RewardGuard:
             self._late = worker
             return self._nan(len(prompts), f"reward {self.name!r} did not score {batch} within reward.timeout_s="
                                            f"{self.timeout_s:g} s; scored NaN (dropped and counted)")
+        return self._outcome(outcome, batch, len(prompts))
+
+    def _outcome(self, outcome: dict, batch: str, n: int) -> dict:
         if "error" in outcome:
             error = outcome["error"]
             what = f"returned a wrong result on {batch}: {error}" if isinstance(error, RewardFault) else \
@@ -97,7 +105,7 @@ class RewardGuard:
             text = f"reward {self.name!r} {what}"
             if self.on_error == "raise":
                 raise RunStopped(f"{text} (reward.on_error=nan scores such a batch NaN and goes on)") from error
-            return self._nan(len(prompts), f"{text}; scored NaN (reward.on_error=nan)")
+            return self._nan(n, f"{text}; scored NaN (reward.on_error=nan)")
         return outcome["result"]
 
     def _nan(self, n: int, message: str) -> dict[str, torch.Tensor]:

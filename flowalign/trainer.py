@@ -108,7 +108,7 @@ class Trainer:
         reward = built_reward(r.name, r.kwargs) if reward is None else as_reward(reward)
         self.reward = RewardGuard(reward, r.name, r.timeout_s, r.on_error, r.weights)
         log.info("%s", self.reward.describe())
-        self.extra_rewards = [RewardGuard(built_reward(name, {}), name, r.timeout_s, "raise")
+        self.extra_rewards = [RewardGuard(built_reward(name, {}), name, None, "raise", inline=True)
                               for name in config.eval.extra_rewards]
         check_reward_components(config, self.reward)
         check_modality(config, self.reward, self.extra_rewards)
