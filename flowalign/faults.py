@@ -209,7 +209,7 @@ def write_fault_at(path):
     try:
         yield
     except OSError as error:
-        if error.filename:
+        if error.filename or error.errno not in WRITE_FAULTS:  # named already, or not a write fault
             raise
         raise OSError(error.errno, error.strerror or str(error), str(path)) from error
     except Exception as error:  # noqa: BLE001
