@@ -179,7 +179,11 @@ def kept(name: str = "run"):
 def run_case(case: Case, ctx: dict, w: Path) -> dict:
     w.mkdir(parents=True, exist_ok=True)
     if case.setup is not None:
-        case.setup(ctx, w)
+        try:
+            case.setup(ctx, w)
+        except (OSError, subprocess.CalledProcessError) as error:  # e.g. no right to mount a tmpfs here
+            return {"id": case.id, "class": case.cls, "verdict": "SKIP", "why": f"setup failed: {error}",
+                    "exit": None, "seconds": 0.0}
     out, err, verdict_file = w / ".stdout", w / ".stderr", w / ".verdict"
     began = time.time()
     read_end, write_end = os.pipe()  # a pipe, not a file: a case's file size limit must not cut its messages
@@ -947,7 +951,8 @@ def environment_cases() -> None:
         def setup(ctx, w):
             (w / "disk").mkdir()
             options = f"size={size}" + (",ro" if ro else "")
-            subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(w / "disk")], check=True)
+            subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(w / "disk")], check=True,
+                           capture_output=True)
         return setup
 
     def unmount(ctx, w):
@@ -1032,6 +1037,7 @@ def prepare(root: Path) -> dict:
 
 
 def totals(results: list[dict]) -> dict:
+    results = [r for r in results if r["verdict"] != "SKIP"]  # a case this machine cannot set up
     count = Counter(r["verdict"] for r in results)
     out = {v: count.get(v, 0) for v in VERDICTS}
     out["cases"] = len(results)
