@@ -37,6 +37,11 @@ def train(config: RunConfig | str | Path | None = None, overrides: list[str] = (
     (flowalign/callbacks.py)."""
     from flowalign.trainer import Trainer
 
+    for name, value in (("prompts", prompts), ("eval_prompts", eval_prompts)):
+        if value is not None and not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name} must be a list of prompts (strings or records), got {type(value).__name__}; a "
+                              f"file or split goes in data.{'train' if name == 'prompts' else 'eval'}_prompts")
+
     if isinstance(config, RunConfig):
         if overrides:
             raise ConfigError("overrides apply to a YAML path or the defaults; set the RunConfig's fields directly")

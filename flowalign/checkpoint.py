@@ -29,8 +29,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from flowalign.errors import ConfigError
 from flowalign.integrity import folder_sha256, sha256_mismatch
 from flowalign.logs import get_logger
+from flowalign.run_folder import changed_settings
 
 log = get_logger("checkpoint")
 CHECKPOINT_NAME = re.compile(r"epoch-(\d+)")  # complete checkpoints only: not *.tmp (being written), *.old (going)
@@ -38,6 +40,10 @@ CHECKPOINT_NAME = re.compile(r"epoch-(\d+)")  # complete checkpoints only: not *
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read or written; the message names the file."""
+
+
+class ResumeMismatch(ConfigError):
+    """The checkpoint was written by a run with other settings (or another process layout)."""
 
 
 class DiskFullError(CheckpointError):
@@ -76,6 +82,7 @@ class Checkpointer:
 
     def __init__(self, out: Path, dist, policy, model, keep: int):
         self.folder, self.dist, self.policy, self.model, self.keep = Path(out) / "checkpoints", dist, policy, model, keep
+        self.settings: dict = {}  # the run's identity settings (flowalign/run_folder.py), checked on resume
         self.components: dict[str, tuple[object, bool]] = {}
         self.shard_components: dict[str, tuple[object, str]] = {}
         self.weights_swap = contextlib.nullcontext  # what policy/ is saved under (the EMA when on)
@@ -150,6 +157,7 @@ class Checkpointer:
         with self.weights_swap():
             self.policy.save_trained(folder / "policy")  # what grid/eval load, like final/
         state = {**counters, "num_processes": acc.num_processes, "rng_shards": self.dist.total_shards,
+                 "settings": self.settings,
                  "files": {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
                            if p.is_file()}, "sha256": folder_sha256(folder)}
         (folder / "state.json").write_text(json.dumps(state))
@@ -206,11 +214,15 @@ class Checkpointer:
         if not isinstance(state, dict) or not {"epoch", "history", "evals", "num_processes"} <= set(state):
             raise CheckpointError(f"{path / 'state.json'}: not a flowalign checkpoint state (epoch, history, evals, "
                                   "num_processes)")
+        if (changed := changed_settings(state.get("settings") or _run_config(path), self.settings)):
+            raise ResumeMismatch(f"resume: {path} was written with other settings ({'; '.join(changed)}); resume with "
+                                 "the checkpoint's, or start a new run from its weights (model.init_lora="
+                                 f"{path / 'policy'}) in another output_dir")
         if state["num_processes"] != acc.num_processes:
-            raise ValueError(f"{path} was written by {state['num_processes']} processes; resume with the same "
+            raise ResumeMismatch(f"{path} was written by {state['num_processes']} processes; resume with the same "
                              f"number (got {acc.num_processes}) so every random stream continues")
         if state.get("rng_shards", state["num_processes"]) != self.dist.total_shards:
-            raise ValueError(f"{path} was written with train.rng_shards={state.get('rng_shards')}; resume with the "
+            raise ResumeMismatch(f"{path} was written with train.rng_shards={state.get('rng_shards')}; resume with the "
                              f"same (got {self.dist.total_shards}) so every random stream continues")
         for name, size in state.get("files", {}).items():  # checkpoints before the manifest have none
             file = path / name
@@ -286,14 +298,15 @@ def _fsync(paths: list[Path]) -> None:
                 os.close(fd)
 
 
-DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
+DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122", "File too large",
+                  "os error 27", "Read-only file system", "os error 30")
 
 
 def _is_disk_full(error: BaseException | None) -> bool:
     """ENOSPC / EDQUOT anywhere in the exception chain, also where a writer reports it only in its
     message (safetensors' Rust writer: "... (os error 28)")."""
     while error is not None:
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT) \
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS) \
                 or any(text in str(error) for text in DISK_FULL_TEXT):
             return True
         error = error.__cause__ or error.__context__
@@ -328,6 +341,25 @@ def _torch_save(obj, path: Path) -> None:
     # where torch.save(obj, path) reports only "unexpected pos"
     with open(path, "wb") as f:
         torch.save(obj, f)
+
+
+def _run_config(checkpoint: Path) -> dict:
+    """The identity settings of the run that wrote ``checkpoint`` (checkpoints/epoch-N/), from its
+    config.json, for checkpoints written before state.json held them; {} when unknown."""
+    from flowalign.run_folder import IDENTITY
+
+    try:
+        tree = json.loads((Path(checkpoint).parent.parent / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for key in IDENTITY:
+        value = tree
+        for part in key.split("."):
+            value = value.get(part, KeyError) if isinstance(value, dict) else KeyError
+        if value is not KeyError:
+            out[key] = value
+    return out
 
 
 def _first_file(*paths: Path) -> Path:

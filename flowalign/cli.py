@@ -20,6 +20,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from flowalign import arguments as A
+
 # Nothing heavy at the top: ``flowalign --help`` and ``flowalign train --help`` answer after parsing
 # the arguments, before torch, diffusers or the trainer load (scripts/benchmark_cli_startup.py);
 # each command imports what it needs.
@@ -47,13 +49,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "or a backend of diffusers' attention dispatcher (flash, sage, _native_cudnn, ...; model.attention)")
     p.add_argument("--model-kwargs", default=None, metavar="MAPPING",
                    help="adapter options as a YAML/JSON mapping, e.g. '{max_sequence_length: 256}' (model.kwargs)")
-    p.add_argument("--steps", type=int, default=None, help="sampling steps (default: 10 ODE steps; chess: 16 "
+    p.add_argument("--steps", type=A.integer(1), default=None, help="sampling steps (default: 10 ODE steps; chess: 16 "
                                                            "unmasking steps)")
-    p.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--guidance", type=A.number(0), default=1.0, help="classifier-free guidance scale")
+    p.add_argument("--threads", type=A.integer(0), default=None,
                    help="torch CPU threads (default: --config's threads, else 1, as a run's; 0 = one per core). "
                         "Images depend on it, as a run's numbers do")
-    p.add_argument("--seeds", default="0,1,2,3",
+    p.add_argument("--seeds", default="0,1,2,3", type=A.seeds,
                    help="comma-separated seeds; the same seed gives the same initial noise under every policy "
                         "(eval: prompt i's seed s is row i·(max seed + 1) + s of a run's own evaluation noise, "
                         "flowalign.evaluation.held_out_noise)")
@@ -88,6 +90,10 @@ def _model_loading(args) -> tuple[str, str, dict]:
 
     from pipelines import folder_family
 
+    from flowalign.untrusted import check_model_folder
+
+    if args.model:  # a local folder: its index, configs and weight headers
+        check_model_folder(args.model, "--model")
     family = args.family
     if family is None and args.config is None and args.model is not None:
         family = folder_family(args.model)  # a local folder names its pipeline: no --family needed
@@ -143,7 +149,8 @@ def cmd_train(args) -> int:
             raise
         return 0
     try:
-        summary = train(config)
+        with A.named_path(config.output_dir):  # a write fault without a path (a full disk mid-write) names the run
+            summary = train(config)
     except RunStopped as error:  # a failing reward: say what is kept
         from flowalign.checkpoint import checkpoint_folders
 
@@ -165,7 +172,8 @@ def cmd_generate_groups(args) -> int:
     from flowalign.group_generation import generate_groups
 
     config = load_config(args.config, args.overrides)
-    print(f"wrote {args.groups} groups to {generate_groups(config, args.groups)}")
+    with A.named_path(config.data.offline_groups or "data.offline_groups"):
+        print(f"wrote {args.groups} groups to {generate_groups(config, args.groups)}")
     return 0
 
 
@@ -189,11 +197,11 @@ def cmd_grid(args) -> int:
 
     from flowalign.evaluation import load_policy, resolve_policies, sample_images
     from flowalign.grids import as_image_cells, labelled_grid, save_gif, save_grid, with_inputs
-    from flowalign.prompts import load_prompts
 
     if args.image and not args.prompt:
         raise FileNotFoundError("--image goes with --prompt (a prompt file's records carry their own \"image\")")
-    records = _records(args.prompt, args.image) if args.prompt else load_prompts(args.prompts)[: args.max_prompts]
+    A.output_file("--out", args.out)
+    records = _records(args.prompt, args.image) if args.prompt else A.prompt_file(args.prompts)[: args.max_prompts]
     prompts = [r["prompt"] for r in records]
     inputs = [r.get("image") for r in records]
     seeds, policies = _seeds(args), resolve_policies(args.policies)
@@ -216,21 +224,22 @@ def cmd_grid(args) -> int:
     if any(inputs):  # an image-conditioned task: each row's input first, beside its outputs
         images = with_inputs(images, inputs, len(policies) * len(seeds))
         columns = {"input": ["image"], **columns}
-    save_grid(labelled_grid(images, prompts, columns), args.out, prompts)
+    with A.named_path(args.out):
+        save_grid(labelled_grid(images, prompts, columns), args.out, prompts)
     print(f"wrote {args.out} ({len(prompts)} prompts × {len(policies)} policies × {len(seeds)} seeds)")
     return 0
 
 
 def cmd_eval(args) -> int:
     from flowalign.evaluation import evaluate, is_change_key, metric_cell, resolve_policies
-    from flowalign.prompts import load_prompts
-    from reward_models.base import build_reward
 
+    from flowalign.faults import built_reward
     from flowalign.usage import reward_names
 
+    A.output_folder("--out", args.out)
     names = reward_names(args.rewards, "--rewards")  # one line for an unknown name, before anything loads
-    records = load_prompts(args.prompts)[: args.max_prompts]
-    rewards = {name: build_reward(name) for name in names}
+    records = A.prompt_file(args.prompts)[: args.max_prompts]
+    rewards = {name: built_reward(name, {}) for name in names}
     model, family, loading = _model_loading(args)
     summary = evaluate(resolve_policies(args.policies), records, rewards, args.out, model=model, family=family,
                        seeds=_seeds(args), steps=args.steps or 10, guidance=args.guidance, loading=loading)
@@ -247,21 +256,15 @@ def cmd_eval(args) -> int:
 def cmd_report(args) -> int:
     from flowalign.report import build_report
 
+    if args.out:
+        A.output_file("--out", args.out, (".html", ".htm"))
     path = build_report(args.run, args.out, args.eval or [], args.image or [])
     print(f"wrote {path}")
     return 0
 
 
 def cmd_reward_server(args) -> int:
-    from reward_models.base import build_reward
-    from reward_models.remote import make_server
-
-    from flowalign.usage import reward_options
-
-    name, kwargs = reward_options(args.reward, args.kwargs)  # one line for a bad name or --kwargs
-    reward = build_reward(name, **kwargs)
-    server = make_server(reward, args.reward, args.host, args.port, args.max_batch, int(args.max_payload_mb * 2**20),
-                         args.max_image_pixels, args.max_request_pixels, args.timeout_s, args.idle_timeout_s)
+    server = A.reward_server(args)  # arguments, token, the reward built, the address bound: one-line errors
     host, port = server.server_address[:2]
     print(f"serving reward {args.reward!r} on http://{host}:{port} (GET /health, POST /score); Ctrl-C stops",
           flush=True)
@@ -281,6 +284,7 @@ def cmd_sample(args) -> int:
         if command.FAMILY == family:
             return command.sample(args, model, loading, seeds)
         command.refuse_options(args, model, family)
+    A.output_file("--out", args.out)
     from torchvision.utils import save_image
 
     from flowalign.evaluation import Policy, load_policy, sample_images
@@ -291,15 +295,15 @@ def cmd_sample(args) -> int:
                            args.guidance)
     for seed, image in zip(seeds, images):
         path = args.out.replace("{seed}", str(seed)) if "{seed}" in args.out else f"{args.out[:-4]}-{seed}.png"
-        save_image(image, path)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with A.named_path(path):
+            save_image(image, path)
         print(f"wrote {path}")
     return 0
 
 
 def cmd_push(args) -> int:
-    from flowalign.hub import push
-
-    commit = push(args.run, args.repo, private=args.private, endpoint=args.endpoint, message=args.message)
+    commit = A.push(args)  # the repo id checked, then hub.push: no token, no rights, the hub unreachable: one line
     print(f"uploaded {args.run}/final to {args.repo}: {commit}")  # a PushError is a ConfigError: one line, exit 2
     return 0
 
@@ -348,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "without sampling. Overrides as for train.")
     p.add_argument("config", help="YAML recipe: a path (configs/shapes_gdro.yaml) or a built-in recipe's name")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    p.add_argument("--groups", type=int, default=512, help="prompt groups to generate (rounded up to whole "
+    p.add_argument("--groups", type=A.integer(1), default=512, help="prompt groups to generate (rounded up to whole "
                                                            "train.groups_per_epoch batches)")
     p.set_defaults(func=cmd_generate_groups)
 
@@ -365,11 +369,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy_args(p)
     p.add_argument("--prompts", default="shapes:test", help="shapes:test, a .txt / .jsonl / .csv prompt file or "
                    "hf:PATH[:SPLIT] (a Hugging Face dataset)")
-    p.add_argument("--prompt", action="append", help="a prompt (repeatable; overrides --prompts)")
+    p.add_argument("--prompt", action="append", type=A.prompt, help="a prompt (repeatable; overrides --prompts)")
     p.add_argument("--image", action="append", help="an image-conditioned family's input image for each --prompt "
                    "(repeatable, in order; several inputs of one prompt separated by |); a prompt file's records "
                    "carry their own, and the grid shows each row's input first")
-    p.add_argument("--max-prompts", type=int, default=12)
+    p.add_argument("--max-prompts", type=A.integer(1), default=12)
     p.add_argument("--out", default="grid.png")
     p.set_defaults(func=cmd_grid)
 
@@ -384,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy_args(p)
     p.add_argument("--prompts", default="shapes:test", help="shapes:test, a .txt / .jsonl / .csv prompt file or "
                    "hf:PATH[:SPLIT] (a Hugging Face dataset)")
-    p.add_argument("--max-prompts", type=int, default=None)
+    p.add_argument("--max-prompts", type=A.integer(1), default=None)
     p.add_argument("--rewards", default="shapes", help="comma-separated registered rewards, e.g. "
                                                        "shapes,jpeg_compressibility")
     p.add_argument("--out", default="eval", help="output folder")
@@ -404,16 +408,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward", required=True, help="a registered reward name, e.g. shapes")
     p.add_argument("--kwargs", default="{}", help="JSON keyword arguments for the reward")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 exposes it to the network)")
-    p.add_argument("--port", type=int, default=8765)
-    p.add_argument("--max-batch", type=int, default=64, help="most samples per reward call")
-    p.add_argument("--max-payload-mb", type=float, default=64, help="larger requests are refused (HTTP 413)")
-    p.add_argument("--max-image-pixels", type=int, default=2**22,
+    p.add_argument("--port", type=A.integer(0, 65535), default=8765)
+    p.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN' (default: $FLOWALIGN_REWARD_TOKEN); "
+                   "needed when --host is not 127.0.0.1 / localhost / ::1")
+    p.add_argument("--max-batch", type=A.integer(1), default=64, help="most samples per reward call")
+    p.add_argument("--max-payload-mb", type=A.number(0, True), default=64, help="larger requests are refused (HTTP 413)")
+    p.add_argument("--max-image-pixels", type=A.integer(1), default=2**22,
                    help="most pixels one sample may decode to (an NPY sample: values / 3); more: HTTP 413")
-    p.add_argument("--max-request-pixels", type=int, default=2**26,
+    p.add_argument("--max-request-pixels", type=A.integer(1), default=2**24,
                    help="most pixels all samples of one request may decode to; more: HTTP 413")
-    p.add_argument("--timeout-s", type=float, default=300,
+    p.add_argument("--timeout-s", type=A.number(0, True), default=300,
                    help="seconds to receive a request's body (else 408) and to score it (else 503)")
-    p.add_argument("--idle-timeout-s", type=float, default=30,
+    p.add_argument("--idle-timeout-s", type=A.number(0, True), default=30,
                    help="a connection that sends nothing for this long is closed (its thread ends)")
     p.set_defaults(func=cmd_reward_server)
 
@@ -432,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "its own (chess: puzzles) lists its options under its own heading below.")
     _add_model_args(p)
     p.add_argument("--weights", default=None, help="trained weights: a run's final/ or a checkpoint's policy/")
-    p.add_argument("prompt")
+    p.add_argument("prompt", type=A.prompt)
     p.add_argument("--image", default=None, help="the input image of an image-conditioned family (several inputs "
                    "separated by |)")
     p.add_argument("--out", default="sample-{seed}.png", help="output path; {seed} is replaced (chess: .pgn or .csv)")
@@ -467,9 +473,14 @@ def main(argv: list[str] | None = None) -> int:
         quiet()
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError) as error:  # FileNotFoundError covers pipelines' ModelNotFoundError
+    except (ConfigError, FileNotFoundError, argparse.ArgumentTypeError) as error:  # + pipelines' ModelNotFoundError
         print(f"flowalign: error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # a read-only, full or size-limited disk, a port in use: the path or address named
+        from flowalign.faults import describe_os_error
+
+        print(f"flowalign: error: {describe_os_error(error)}", file=sys.stderr)
+        return 1
     except Exception as error:
         if isinstance(error, loaded_classes(USAGE_ERRORS)):
             print(f"flowalign: error: {error}", file=sys.stderr)

@@ -16,16 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
-from pipelines.attention import BACKENDS as ATTENTION_BACKENDS
-
-
 from flowalign.errors import ConfigError  # re-exported: every check raises it
 from flowalign.hub import HubConfig  # the hub: section, defined beside what reads it
 from flowalign.experimental.options import ExploreConfig, RoutingConfig
 from flowalign.overrides import dotted_keys, numbers_as_floats, parse_override, set_path  # parse_override: re-exported
 from flowalign.objectives.base import method_option_rules, method_options, option_owners  # loads the registry
+
+from flowalign.domains import (CHOICES, COUNT, SEED, Annotated, above, at_least, between,  # the keys' domains
+                               check_domains, finite)
 
 
 @dataclass
@@ -33,8 +31,8 @@ class ModelConfig:
     family: str = "sd3"  # adapter family, see pipelines.FAMILIES
     path: str = "shapes-sd3"  # built-in demo name, local diffusers folder, or hub id
     dtype: str = "float32"  # weights of the frozen parts: float32 | bfloat16 | float16
-    lora_rank: int = 32  # 0 = full fine-tuning of the transformer
-    lora_alpha: Optional[float] = None  # default: = rank
+    lora_rank: Annotated[int, at_least(0, "0 = full fine-tuning")] = 32  # 0 = full fine-tuning of the transformer
+    lora_alpha: Annotated[Optional[float], above(0)] = None  # default: = rank
     lora_targets: Optional[list[str]] = None  # default: the attention projections
     # start from this LoRA instead of a random one: a run's final/ or checkpoint policy/ folder (diffusers'
     # pytorch_lora_weights.safetensors) or a peft adapter folder (adapter_config.json + adapter_model.safetensors);
@@ -47,18 +45,18 @@ class ModelConfig:
     # of diffusers' attention dispatcher (flash, sage, _native_cudnn, ...; families whose attention goes through
     # it). One that cannot run falls back to sdpa with a one-line message. pipelines/attention.py
     attention: str = "auto"
-    height: Optional[int] = None  # pixels; None: the pipeline's default size
-    width: Optional[int] = None  # pixels; None: the pipeline's default size
+    height: Annotated[Optional[int], above(0)] = None  # pixels; None: the pipeline's default size
+    width: Annotated[Optional[int], above(0)] = None  # pixels; None: the pipeline's default size
     # video families (wan): frames per sample, 1 + a multiple of the VAE's temporal compression (Wan: 4k + 1);
     # None: the pipeline's default (Wan: 81). Rewards receive float [B, num_frames, 3, H, W] (reward_models/base.py)
-    num_frames: Optional[int] = None
+    num_frames: Annotated[Optional[int], at_least(1)] = None
     # options of the family's adapter, checked by name and type before any weight loads
     # (pipelines.adapter_options), e.g. {max_sequence_length: 128} for sd3 / flux / wan, {true_cfg_scale: 4.0,
     # negative_prompt: "..."} for flux, {vae_tiling: true, vae_slicing: true} for any family with a VAE
     kwargs: dict[str, Any] = field(default_factory=dict)
     # prompt conditionings kept (LRU; 0 = encode every time): a fixed prompt set of at most this
     # many prompts is encoded once per run (pipelines.base.PromptEmbeddingCache)
-    prompt_cache_size: int = 1024
+    prompt_cache_size: Annotated[int, at_least(0, "0 = no cache")] = 1024
     # keep the frozen text encoders on the CPU, on the device only while encoding prompts the cache
     # lacks (needs prompt_cache_size > 0): frees their accelerator memory once the prompts are cached
     offload_text_encoders: bool = False
@@ -69,24 +67,24 @@ class ModelConfig:
 
 @dataclass
 class SamplingConfig:
-    num_steps: int = 10  # denoising steps of a rollout
-    eta: float = 1.0  # SDE noise level of the trained steps
+    num_steps: Annotated[int, at_least(2)] = 10  # denoising steps of a rollout
+    eta: Annotated[float, at_least(0)] = 1.0  # SDE noise level of the trained steps
     # the stochastic step of velocity models: flow_grpo | cps | dance_grpo | dance_grpo_euler (DanceGRPO's
     # step without its score term, its code's sde_solver=False; flowalign.samplers.flow_sde);
     # ε-prediction models (sd, sdxl) always take the DDIM step
     sde: str = "flow_grpo"
-    guidance_scale: float = 1.0  # classifier-free guidance scale (1 = off; flux: dev's embedded guidance)
+    guidance_scale: Annotated[float, at_least(0)] = 1.0  # classifier-free guidance scale (1 = off; flux: dev's embedded guidance)
     step_mode: str = "all"  # all | fraction | window (flowalign.samplers.steps)
-    fraction: float = 0.6  # step_mode fraction: the share of steps that are stochastic and trained
-    window_size: int = 2  # step_mode window: consecutive stochastic, trained steps
-    window_start: Optional[int] = None  # None: random per rollout batch
+    fraction: Annotated[float, between(0, 1, low_open=True)] = 0.6  # step_mode fraction: the share of steps that are stochastic and trained
+    window_size: Annotated[int, at_least(1)] = 2  # step_mode window: consecutive stochastic, trained steps
+    window_start: Annotated[Optional[int], at_least(0)] = None  # None: random per rollout batch
     # [lo, hi]: a random window (window_start null) lies within steps lo..hi-1, Flow-GRPO's
     # sde_window_range (its CFG-free GenEval recipe: [0, num_steps // 2], the noisiest half); null: anywhere
-    window_range: Optional[list[int]] = None
+    window_range: Annotated[Optional[list[int]], at_least(0)] = None
     # MixGRPO: > 0 slides the window window_stride steps later every window_shift_every epochs,
     # from window_start (or 0) on (flowalign.samplers.steps.sliding_window_start)
-    window_shift_every: int = 0
-    window_stride: int = 1  # steps the window moves each time it slides
+    window_shift_every: Annotated[int, at_least(0, "0 = no sliding window")] = 0
+    window_stride: Annotated[int, at_least(1)] = 1  # steps the window moves each time it slides
     shared_group_noise: bool = False  # one initial noise per prompt group
     log_prob_reduction: str = "mean"  # mean | sum over latent elements
     # masked discrete diffusion (model.family chess, pipelines/unmasking.py): how many
@@ -94,7 +92,7 @@ class SamplingConfig:
     # of the model's categoricals (training rescores at the same one); the log-prob is always the
     # sum over the newly unmasked positions, every step is stochastic and trained
     unmask_schedule: str = "cosine"
-    temperature: float = 1.0  # sampling temperature of masked diffusion's categoricals
+    temperature: Annotated[float, above(0)] = 1.0  # sampling temperature of masked diffusion's categoricals
     # chess: joint = the best move is unmasked at random steps with the board (what pre-training
     # masks); last = the steps unmask the board alone, then the move is chosen greedily at the
     # finished board (pipelines/chess.py), not a trained step
@@ -118,10 +116,10 @@ class DataConfig:
 class RewardConfig:
     name: str = "shapes"  # a registered reward (reward_models/, a plug-in, or register_reward in a script)
     kwargs: dict[str, Any] = field(default_factory=dict)  # the reward's constructor arguments (checked)
-    weights: dict[str, float] = field(default_factory=lambda: {"score": 1.0})  # component → weight
+    weights: Annotated[dict[str, float], finite()] = field(default_factory=lambda: {"score": 1.0})  # component → weight
     # deadline of one reward call (a batch), in seconds: a call still running then scores its batch
     # NaN (dropped and counted, like a remote server that is down); null = wait forever (flowalign/faults.py)
-    timeout_s: Optional[float] = 600.0
+    timeout_s: Annotated[Optional[float], above(0, "null: no deadline")] = 120.0
     # a reward call that raises: raise (stop the run with one line naming the reward and the batch;
     # the last checkpoint is kept) | nan (score that batch NaN, say so in one line, go on)
     on_error: str = "raise"
@@ -132,20 +130,20 @@ class RewardConfig:
 
 @dataclass
 class _GeneralTrainConfig:
-    epochs: int = 60  # training epochs: sample → score → advantages → update
-    max_minutes: Optional[float] = None  # also stop (evaluated and saved as usual) after this much training time
+    epochs: Annotated[int, at_least(0)] = 60  # training epochs: sample → score → advantages → update
+    max_minutes: Annotated[Optional[float], above(0, finite=False)] = None  # also stop (evaluated and saved as usual) after this much training time
     # also stop after this much training CPU time of this process (all its threads; evaluation excluded):
     # a budget that another job on the machine does not shrink, for benchmarks on shared cores
-    max_cpu_minutes: Optional[float] = None
-    groups_per_epoch: int = 8  # prompts per epoch per process
-    group_size: int = 8  # samples per prompt
-    sample_batch_size: int = 32  # rollout chunk
-    train_batch_size: int = 16  # samples per optimizer step
-    inner_epochs: int = 1  # passes over each epoch's samples
-    learning_rate: float = 3e-4  # AdamW learning rate (after warm-up)
-    weight_decay: float = 1e-4  # AdamW weight decay
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
-    max_grad_norm: float = 1.0  # gradient-norm clipping of each optimizer step
+    max_cpu_minutes: Annotated[Optional[float], above(0, finite=False)] = None
+    groups_per_epoch: Annotated[int, COUNT] = 8  # prompts per epoch per process
+    group_size: Annotated[int, COUNT] = 8  # samples per prompt
+    sample_batch_size: Annotated[int, COUNT] = 32  # rollout chunk
+    train_batch_size: Annotated[int, COUNT] = 16  # samples per optimizer step
+    inner_epochs: Annotated[int, COUNT] = 1  # passes over each epoch's samples
+    learning_rate: Annotated[float, at_least(0)] = 3e-4  # AdamW learning rate (after warm-up)
+    weight_decay: Annotated[float, at_least(0)] = 1e-4  # AdamW weight decay
+    adam_betas: Annotated[list[float], between(0, 1, high_open=True, length=2)] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
+    max_grad_norm: Annotated[float, above(0)] = 1.0  # gradient-norm clipping of each optimizer step
     # adamw (torch) | adamw8bit (bitsandbytes' AdamW8bit: both moments in 8 bits, 2 bytes per weight instead of
     # 8, for full fine-tuning; pip install "flowalign[bnb]"; checked before any model loads)
     optimizer: str = "adamw"
@@ -156,40 +154,40 @@ class _GeneralTrainConfig:
     # names), for training and rollouts alike; the numbers match eager within float tolerance, not to the
     # last digit; the first steps pay the compilation (docs/performance.md: what it gives on CPU)
     compile: bool = False
-    warmup_epochs: int = 0  # epochs of linear learning-rate warm-up
+    warmup_epochs: Annotated[int, at_least(0)] = 0  # epochs of linear learning-rate warm-up
     # constant (the warm-up, then constant) or a diffusers get_scheduler name: linear, cosine, cosine_with_restarts,
     # polynomial, constant_with_warmup; per epoch (flowalign/lr_schedule.py)
     lr_schedule: str = "constant"
-    clip_range: float = 1e-4  # PPO-style clip of the likelihood ratio: |ratio − 1| ≤ clip_range
+    clip_range: Annotated[float, above(0)] = 1e-4  # PPO-style clip of the likelihood ratio: |ratio − 1| ≤ clip_range
     # CFG in the training forward (guidance_scale > 1): no gradient through the unconditional branch, as
     # Flow-GRPO's original train_sd3.py (its later scripts and ours by default train both branches); that
     # branch then runs as its own forward without a graph: a cheaper step (docs/performance.md)
     detach_uncond: bool = False
-    kl_beta: float = 0.0  # weight of the KL to the reference (untrained) policy; 0 = off
-    advantage_clip: float = 5.0  # advantages clipped to ±advantage_clip
+    kl_beta: Annotated[float, at_least(0)] = 0.0  # weight of the KL to the reference (untrained) policy; 0 = off
+    advantage_clip: Annotated[float, above(0)] = 5.0  # advantages clipped to ±advantage_clip
     global_std: bool = False  # divide by the std over the whole batch instead of each group's
     # group: (r − group mean) / std (GRPO); leave_one_out: (r − mean of the group's other samples) / group
     # std (masked DDPO, flowalign/objectives/masked_ddpo.py)
     advantage_baseline: str = "group"
     # DanceGRPO: one advantage per weighted reward component, each with its own clipped objective
     per_reward_advantages: bool = False
-    keep_extremes: int = 0  # best-of-N: train only on each group's k best and k worst samples (0 = all)
+    keep_extremes: Annotated[int, at_least(0)] = 0  # best-of-N: train only on each group's k best and k worst samples (0 = all)
     async_reward: bool = True  # score each sampling batch in a thread while the next one samples
     per_prompt_stats: bool = False  # DDPO-style per-prompt tracker instead of group statistics
-    ema_decay: float = 0.0  # 0 = off; evaluation uses the EMA weights when on
+    ema_decay: Annotated[float, between(0, 1, high_open=True, note="0 = off")] = 0.0  # 0 = off; evaluation uses the EMA weights when on
     # the EMA's warm-up (diffusers' EMAModel.get_decay): diffusers (min(decay, (1+n)/(10+n)), EMAModel's default)
     # | power (EMAModel's use_ema_warmup: 1 - (1+n)^(-2/3)) | none (a constant decay from the first step); flowalign/ema.py
     ema_warmup: str = "diffusers"
     # stop the run (an error, the last checkpoint kept) after this many consecutive epochs in which
     # every reward was NaN: a broken reward, not a bad batch; 0 = never stop
-    max_nan_epochs: int = 3
+    max_nan_epochs: Annotated[int, at_least(0, "0 = never stop")] = 3
     mixed_precision: str = "no"  # no | fp16 | bf16 (Accelerate)
-    seed: int = 0  # the run's seed: prompts, noise, LoRA init, shuffling (docs/distributed.md)
+    seed: Annotated[int, SEED] = 0  # the run's seed: prompts, noise, LoRA init, shuffling (docs/distributed.md)
     # random streams: the global batch is drawn as this many shards, each with its own prompt, noise
     # and shuffling generators seeded by (seed, shard); a process rolls out its shards one after
     # another. Default (None): one shard per process. The same value on runs with different numbers
     # of processes (and the same global batch) makes them sample the same data (docs/distributed.md).
-    rng_shards: Optional[int] = None
+    rng_shards: Annotated[Optional[int], at_least(1)] = None
 
 
 option_owners(method_options(), _GeneralTrainConfig)  # a name declared twice fails here, at import
@@ -222,12 +220,12 @@ def train_config_class() -> type:
 
 @dataclass
 class EvalConfig:
-    every: int = 10  # epochs; 0 = only before and after
-    seeds: int = 4  # samples per held-out prompt
-    batch_size: int = 64  # held-out samples per sampling batch
-    grid_prompts: int = 12  # rows (held-out prompts) of each evaluation grid
-    grid_seeds: int = 4  # columns (seeds) of each evaluation grid
-    num_steps: Optional[int] = None  # ODE steps of the held-out samples; None: sampling.num_steps
+    every: Annotated[int, at_least(0, "0 = only before and after")] = 10  # epochs; 0 = only before and after
+    seeds: Annotated[int, COUNT] = 4  # samples per held-out prompt
+    batch_size: Annotated[int, COUNT] = 64  # held-out samples per sampling batch
+    grid_prompts: Annotated[int, COUNT] = 12  # rows (held-out prompts) of each evaluation grid
+    grid_seeds: Annotated[int, COUNT] = 4  # columns (seeds) of each evaluation grid
+    num_steps: Annotated[Optional[int], at_least(1)] = None  # ODE steps of the held-out samples; None: sampling.num_steps
     # rewards scored at every evaluation but never optimised (a reward-hacking check), e.g. [jpeg_compressibility]
     extra_rewards: list[str] = field(default_factory=list)
 
@@ -252,8 +250,8 @@ class RunConfig:
     tracker: str = "tensorboard"
     # every this many epochs (0 = never) a grid of the epoch's first tracker_samples rollouts, each captioned with
     # its prompt and reward, goes to the tracker as the image train/samples (flowalign/sample_log.py)
-    tracker_samples_every: int = 10
-    tracker_samples: int = 16  # rollouts in that grid (this process's first, in group order)
+    tracker_samples_every: Annotated[int, at_least(0, "0 = never")] = 10
+    tracker_samples: Annotated[int, COUNT] = 16  # rollouts in that grid (this process's first, in group order)
     # torch CPU threads of each process, set when the run starts. Floating-point sums are split across
     # threads, so the numbers of a run depend on this count (and on torch's version and the CPU's
     # instruction set, both recorded in metrics.json), never on what else runs on the machine.
@@ -261,10 +259,11 @@ class RunConfig:
     # faster when the machine was free but 3.7x slower beside one CPU-bound job (threads wait on a
     # descheduled one), where one thread lost nothing (scripts/benchmark_busy_machine.py, README).
     # 0 = torch's own default (one per core: results then differ between machines).
-    threads: int = 1
-    checkpoint_every: int = 10  # epochs; 0 = only at the end
-    checkpoints_kept: int = 2  # checkpoints kept in output_dir/checkpoints; 0 = keep every one
+    threads: Annotated[int, at_least(0, "0 = torch's default")] = 1
+    checkpoint_every: Annotated[int, at_least(0, "0 = only at the end")] = 10  # epochs; 0 = only at the end
+    checkpoints_kept: Annotated[int, at_least(0, "0 = keep every one")] = 2  # checkpoints kept in output_dir/checkpoints; 0 = keep every one
     resume: Optional[str] = None  # "auto" (latest in output_dir), a checkpoint folder, or None
+    overwrite: bool = False  # start afresh in an output_dir holding another run: its outputs are deleted first
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -283,27 +282,6 @@ class RunConfig:
 def settings(cls) -> list[dataclasses.Field]:
     """The fields of a config dataclass a file can set (``sources`` is not one)."""
     return [f for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
-
-
-CHOICES = {
-    "model.dtype": ("float32", "bfloat16", "float16"),
-    "model.attention": ATTENTION_BACKENDS,
-    "sampling.step_mode": ("all", "fraction", "window"),
-    "sampling.sde": ("flow_grpo", "cps", "dance_grpo", "dance_grpo_euler"),
-    "explore.mode": ("none", "shape", "magnitude", "both"),
-    "sampling.log_prob_reduction": ("mean", "sum"),
-    "sampling.unmask_schedule": ("cosine", "linear"),
-    "sampling.move_schedule": ("joint", "last"),
-    "train.advantage_baseline": ("group", "leave_one_out"),
-    "train.mixed_precision": ("no", "fp16", "bf16"),
-    "train.optimizer": ("adamw", "adamw8bit"),  # `accelerate launch --mixed_precision` must agree (preflight)
-    "train.ema_warmup": ("none", "diffusers", "power"),
-    "hub.strategy": ("end", "checkpoint"),
-    "train.lr_schedule": ("constant", "linear", "cosine", "cosine_with_restarts", "polynomial", "constant_with_warmup"),
-    # none, or any tracker Accelerate runs (accelerate.utils.LoggerType but "all"; tests/test_trackers.py checks the list)
-    "tracker": ("none", "tensorboard", "wandb", "aim", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab"),
-    "reward.on_error": ("raise", "nan"),
-}  # method: one of the registered objectives (flowalign/objectives/base.py), checked by check_values
 
 
 def _type_name(tp) -> str:
@@ -365,19 +343,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
     ``key=value`` overrides, validate. Raises ConfigError. Relative prompt paths in the file are read
     from the file's folder (flowalign.prompts.resolve_source); those of overrides from the working
     directory."""
-    from flowalign.recipes import find_recipe
+    from flowalign.recipes import find_recipe, read_recipe
 
     tree: dict = {}
     where = "defaults"
     if path is not None:
         path = find_recipe(path)
         where = str(path)
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as error:
-            raise ConfigError(f"{where}: not valid YAML: {error}") from error
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{where}: the top level must be a mapping of settings")
+        loaded = read_recipe(path)  # a mapping with at least one setting (flowalign/recipes.py)
         tree = numbers_as_floats(loaded)
         _resolve_prompt_paths(tree, path.parent)
     config = _build(RunConfig, tree, "", where)  # the file alone must be valid
@@ -505,6 +478,7 @@ def check_values(config: RunConfig, where: str = "config") -> None:
     for key, ok, message in rules:
         if not ok:
             raise ConfigError(f"{source_of(config, key, where)}: {key} {message}")
+    check_domains(config, lambda key: source_of(config, key, where))  # every key's own domain (flowalign/domains.py)
 
 
 def to_dict(config) -> dict:

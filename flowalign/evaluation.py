@@ -101,7 +101,9 @@ def load_policy(policy: Policy, model: str, family: str = "sd3", **loading):
     settings (dtype, attention, options = model.kwargs, height, width, num_frames)."""
     from pipelines import load_adapter
 
-    return load_adapter(family, model, trained=policy.weights, **loading)
+    from flowalign.untrusted import check_policy_weights
+
+    return check_policy_weights(policy.weights, lambda: load_adapter(family, model, trained=policy.weights, **loading))
 
 
 EVAL_SEED = 20_241_202  # every held-out sample's noise comes from it: before/after and policies are paired

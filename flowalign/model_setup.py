@@ -114,7 +114,12 @@ def read_lora(path: str | Path, prefix: str) -> tuple[dict, dict[str, torch.Tens
     (``adapter_config.json`` + ``adapter_model.safetensors``). ValueError naming what is wrong."""
     from safetensors import safe_open
 
+    from flowalign.untrusted import check_lora_state, safetensors_header
+
     path = Path(path)
+    for weights in (path / DIFFUSERS_LORA, path / PEFT_WEIGHTS):
+        if weights.is_file():
+            safetensors_header(weights, "model.init_lora")  # a truncated or foreign file named, not a traceback
     if (path / DIFFUSERS_LORA).is_file():
         with safe_open(str(path / DIFFUSERS_LORA), "pt") as f:
             meta = json.loads((f.metadata() or {}).get("lora_adapter_metadata", "{}"))
@@ -128,6 +133,7 @@ def read_lora(path: str | Path, prefix: str) -> tuple[dict, dict[str, torch.Tens
     else:
         raise ValueError(f"{path}: neither {DIFFUSERS_LORA} (a run's final/) nor {PEFT_CONFIG} + {PEFT_WEIGHTS} "
                          "(a peft adapter folder)")
+    check_lora_state(state, path, "model.init_lora")
     down = {k[: -len(".lora_A.weight")]: v for k, v in state.items() if k.endswith(".lora_A.weight")}
     if not down or any(not (k.endswith(".lora_A.weight") or k.endswith(".lora_B.weight")) for k in state):
         odd = [k for k in state if not (k.endswith(".lora_A.weight") or k.endswith(".lora_B.weight"))]
@@ -148,6 +154,8 @@ def read_lora(path: str | Path, prefix: str) -> tuple[dict, dict[str, torch.Tens
 def init_lora(adapter, path: str, where: str = "config") -> None:
     """Attach the LoRA at ``path`` (``read_lora``) to the adapter's denoiser, trainable, every
     weight of it loaded: the run starts exactly where that LoRA's run ended."""
+    from flowalign.untrusted import check_lora_fits, warn_partial
+
     if len(adapter.denoisers()) != 1:
         raise ConfigError(f"{where}: model.init_lora: a family with several denoisers "
                           f"({', '.join(adapter.denoisers())}) cannot start from one LoRA folder")
@@ -156,7 +164,12 @@ def init_lora(adapter, path: str, where: str = "config") -> None:
     except ValueError as error:
         raise ConfigError(f"{where}: model.init_lora: {error}") from None
     targets = config["target_modules"]
-    adapter.add_lora(config["r"], config["lora_alpha"], [targets] if isinstance(targets, str) else targets)
+    check_lora_fits(state, adapter.model, adapter.model_folder, path, f"{where}: model.init_lora")
+    try:
+        adapter.add_lora(config["r"], config["lora_alpha"], [targets] if isinstance(targets, str) else targets)
+    except Exception as error:  # noqa: BLE001  (peft: targets this model lacks)
+        raise ConfigError(f"{where}: model.init_lora: {path}: its targets do not fit this model ({type(error).__name__}:"
+                          f" {str(error).splitlines()[0][:200]})") from None
     expected = set(adapter.trained_state_dict())
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
@@ -164,6 +177,8 @@ def init_lora(adapter, path: str, where: str = "config") -> None:
                           f"{len(missing)} LoRA weights missing (e.g. {missing[:2]}), {len(extra)} unknown "
                           f"(e.g. {extra[:2]})")
     adapter.load_trained_state_dict(state)
+    if (Path(path) / DIFFUSERS_LORA).is_file():
+        warn_partial(Path(path) / DIFFUSERS_LORA, {f"{adapter.model_folder}.{k}": v for k, v in state.items()})
     log.info("model.init_lora: started from %s (rank %d, alpha %g, %d LoRA tensors)", path, config["r"],
              config["lora_alpha"], len(state))
 

@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+from flowalign.arguments import check_kinds
+from flowalign.run_folder import check_ownership
+from flowalign.untrusted import check_model_folder
 from flowalign.config import ConfigError, RunConfig, check_values, source_of
 
 def family_prediction(family: str) -> str | None:
@@ -119,6 +122,7 @@ def reward_arguments(factory, kwargs: dict, name: str, key: str,
         if arg not in named and not open_ended:
             raise ConfigError(f"{where}: {key}.{arg}: reward {name!r} takes no argument {arg!r}; it accepts: "
                               f"{', '.join(named) or 'none'}")
+    check_kinds({n: p.default for n, p in named.items()}, kwargs, f"{where}: {key}", f"reward {name!r}")
     missing = [n for n, p in named.items() if p.default is p.empty and n not in kwargs]
     if missing:
         raise ConfigError(f"{where}: {key}.{missing[0]}: reward {name!r} needs it (no default)")
@@ -228,8 +232,8 @@ def check_prompt_sets(config: RunConfig, missing_ok: bool = False, given=()) -> 
         try:
             records = load_prompts(source)
         except (ValueError, OSError) as error:  # a bad split, type or JSON line; a missing file
-            if missing_ok and isinstance(error, FileNotFoundError):
-                continue
+            if missing_ok and isinstance(error, FileNotFoundError) and not Path(source).expanduser().exists():
+                continue  # the prompt file itself is not here (a conditioning image it names is)
             named = "" if Path(source).name in str(error) else f" {source}"  # a file's errors name it
             raise ConfigError(f"{where}: {key}{named}: {error}") from None
         if not any(str(r["prompt"]).strip() for r in records):
@@ -243,6 +247,7 @@ def check_output_dir(config: RunConfig) -> None:
     if blocking is not None:
         raise ConfigError(f"{source_of(config, 'output_dir')}: output_dir: {blocking} is a file, not a folder; "
                           "name a folder (it is created when missing)")
+    check_ownership(config, source_of(config, "output_dir"))  # a finished or started run there: resume or overwrite
 
 
 def validate(config: RunConfig, missing_ok: bool = False, given=()) -> None:
@@ -256,6 +261,9 @@ def validate(config: RunConfig, missing_ok: bool = False, given=()) -> None:
     from flowalign.outputs import check_launch_precision, check_tracker
 
     check_values(config)
+    m = config.model
+    if "model" not in given:  # a local folder's index, configs and weight headers; sizes it can make
+        check_model_folder(m.path, f"{source_of(config, 'model.path')}: model.path", (m.height, m.width))
     check_tracker(config)
     check_launch_precision(config)
     cls = check_model(config)

@@ -37,11 +37,17 @@ def load_prompts(source: str | list) -> list[dict]:
     ``.parquet`` or ``.arrow`` file. In .txt and .jsonl files a line starting with ``#`` is a
     comment (the shipped prompt files say where they come from that way)."""
     if isinstance(source, (list, tuple)):
-        records = [{"prompt": p} if isinstance(p, str) else dict(p) for p in source]
-        bad = next((i for i, r in enumerate(records) if not str(r.get("prompt", "")).strip()), None)
+        if not source:
+            raise ValueError("prompts: an empty list (prompts and eval_prompts need at least one prompt)")
+        bad = next((i for i, p in enumerate(source) if not (isinstance(p, str) or isinstance(p, dict)
+                                                            and isinstance(p.get("prompt"), str))), None)
         if bad is not None:
-            raise ValueError(f"prompt list: item {bad} has no prompt (a string, or a record with a \"prompt\" key)")
-        return records
+            raise ValueError(f"prompts: prompts[{bad}] is {type(source[bad]).__name__} {source[bad]!r:.60}, not a "
+                             "prompt (a string, or a record whose \"prompt\" is a string)")
+        records = [{"prompt": p} if isinstance(p, str) else dict(p) for p in source]
+        return check_records(records, "prompts (a list)")
+    if not isinstance(source, str):
+        raise ValueError(f"prompts must be a list of prompts or a source name, got {type(source).__name__}")
     if source.startswith("shapes:"):
         from reward_models.worlds.shapes import prompt_split
 
@@ -68,7 +74,7 @@ def load_prompts(source: str | list) -> list[dict]:
         raise FileNotFoundError(f"prompt file not found: tried {path.resolve()} (or use shapes:train / shapes:test / shapes_edit:train / shapes_edit:test / chess:train / chess:test / av:train / av:test)")
     if path.suffix == ".jsonl":
         records = []
-        for number, line in enumerate(path.read_text().splitlines(), 1):
+        for number, line in enumerate(read_text(path).splitlines(), 1):
             if not line.strip() or line.lstrip().startswith("#"):
                 continue
             try:
@@ -77,10 +83,14 @@ def load_prompts(source: str | list) -> list[dict]:
                 raise ValueError(f"{path}: line {number} is not JSON ({error})") from None
             if not isinstance(record, dict) or "prompt" not in record:
                 raise ValueError(f"{path}: line {number} has no \"prompt\" key")
+            if not isinstance(record["prompt"], str) or not record["prompt"].strip():
+                raise ValueError(f"{path}: line {number}: \"prompt\" must be a non-empty string, got "
+                                 f"{record['prompt']!r:.60}")
             records.append(record)
-        return [resolve_image(r, path) for r in records]
+        return check_records([resolve_image(r, path) for r in records], path)
     if path.suffix == ".csv":
-        with path.open(newline="") as f:
+        read_text(path)  # UTF-8 text, not binary
+        with path.open(newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
             if reader.fieldnames and "prompt" not in reader.fieldnames:
                 raise ValueError(f"{path}: the first line must be a header naming a \"prompt\" column "
@@ -89,13 +99,41 @@ def load_prompts(source: str | list) -> list[dict]:
         bad = [i + 2 for i, r in enumerate(records) if not r.get("prompt")]  # line 1 is the header
         if bad:
             raise ValueError(f"{path}: line {bad[0]} has no \"prompt\" value")
-        return [resolve_image(r, path) for r in records]
+        return check_records([resolve_image(r, path) for r in records], path)
     if path.suffix == ".txt":
-        lines = (line.strip() for line in path.read_text().splitlines())
-        return [{"prompt": line} for line in lines if line and not line.startswith("#")]
+        lines = (line.strip() for line in read_text(path).splitlines())
+        return check_records([{"prompt": line} for line in lines if line and not line.startswith("#")], path)
     raise ValueError(f"{path}: prompt files must be .txt (one prompt a line), .jsonl (one record a line), .csv "
                      f"(a header with a prompt column) or a Hugging Face dataset (hf:PATH, a save_to_disk folder, "
                      f".parquet, .arrow), got {path.suffix or 'no extension'}")
+
+
+MAX_PROMPT_CHARS = 20_000  # far past any text encoder's context (T5: 512 tokens, Qwen: ~1024): a file read wrong
+
+
+def read_text(path: Path) -> str:
+    """A prompt file's text: UTF-8 and no NUL bytes (ValueError naming the file otherwise)."""
+    data = path.read_bytes()
+    if b"\0" in data:
+        raise ValueError(f"{path}: a binary file (it holds NUL bytes), not UTF-8 text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text (byte {data[error.start]:#04x} at offset {error.start}); save it "
+                         "as UTF-8") from None
+
+
+def check_records(records: list[dict], where) -> list[dict]:
+    """Every record's "prompt" a non-empty string of at most MAX_PROMPT_CHARS characters."""
+    for i, record in enumerate(records):
+        prompt = record.get("prompt")
+        at = f"prompt {i + 1}"
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"{where}: {at}: \"prompt\" must be a non-empty string, got {prompt!r:.60}")
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise ValueError(f"{where}: {at}: a prompt of {len(prompt):,} characters (at most {MAX_PROMPT_CHARS:,}: "
+                             "no text encoder reads that far; is the file one prompt a line?)")
+    return records
 
 
 def dataset_records(spec: str) -> list[dict]:
@@ -184,16 +222,32 @@ def resolve_image(record: dict, prompt_file: Path) -> dict:
     """A record's "image" as an absolute path (relative to the prompt file's folder); it must exist.
     Several input images (Qwen-Image-Edit-Plus): a list of paths (jsonl) or paths separated by "|"
     (CSV), resolved to a list."""
-    if not record.get("image"):
+    if record.get("image") is None or record.get("image") == "":
         return record
     given = record["image"]
+    if not (isinstance(given, str) or isinstance(given, list) and given and all(isinstance(g, str) for g in given)):
+        raise ValueError(f"{prompt_file}: \"image\" of {str(record.get('prompt'))[:60]!r} must be a path or a list of "
+                         f"paths, got {given!r:.60}")
     several = isinstance(given, list) or "|" in given
     paths = given if isinstance(given, list) else given.split("|")
     resolved = []
     for path in paths:
         image = (prompt_file.parent / Path(str(path).strip()).expanduser()).resolve()
         if not image.is_file():
-            raise FileNotFoundError(f"{prompt_file}: conditioning image of {record['prompt']!r} not found: "
-                                    f"tried {image}")
+            raise FileNotFoundError(f"{prompt_file}: conditioning image of {str(record.get('prompt'))[:60]!r} not "
+                                    f"found: tried {image}")
+        check_image(image)
         resolved.append(str(image))
     return {**record, "image": resolved if several else resolved[0]}
+
+
+def check_image(path: Path) -> None:
+    """A conditioning image that decodes (PIL's ``verify``: header and data, no pixels kept);
+    ValueError naming the file otherwise."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            image.verify()
+    except Exception as error:  # noqa: BLE001  (PIL raises many kinds for a broken file)
+        raise ValueError(f"{path}: not a readable image ({type(error).__name__}: {error})") from None

@@ -49,6 +49,8 @@ def find_recipe(name_or_path: str | Path) -> Path:
     path = Path(name_or_path).expanduser()
     if path.is_file():
         return path
+    if path.is_dir():
+        raise ConfigError(f"{path}: a folder, not a YAML recipe file")
     known = builtin_recipes()
     stem = path.name[:-5] if path.name.endswith(".yaml") else path.name
     if stem in known and path.parent == Path("."):
@@ -56,3 +58,25 @@ def find_recipe(name_or_path: str | Path) -> Path:
     hint = (f"; {stem!r} is a built-in recipe: use the name alone ({stem})" if stem in known else
             f"; built-in recipes (flowalign recipes): {', '.join(known)}")
     raise ConfigError(f"config file not found: {path.resolve()}{hint}")
+
+
+def read_recipe(path: Path) -> dict:
+    """A recipe file's settings: UTF-8 YAML whose top level is a non-empty mapping (ConfigError naming
+    the file otherwise)."""
+    import yaml
+
+    from flowalign.errors import ConfigError
+
+    try:
+        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: not UTF-8 text, so not a YAML recipe (byte {error.object[error.start]:#04x} at "
+                          f"offset {error.start})") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(error).split())}") from None
+    if loaded is None or loaded == {}:
+        raise ConfigError(f"{path}: the recipe is empty (no settings); start from a built-in one: flowalign recipes "
+                          "--show shapes_flow_grpo")
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of settings")
+    return loaded

@@ -16,6 +16,7 @@ import json
 import math
 from pathlib import Path
 
+from flowalign.errors import ConfigError
 from flowalign.evaluation import is_change_key, metric_cell
 
 CURVE_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf", "#7f7f7f")
@@ -36,8 +37,12 @@ def read_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
                 for event in acc.Scalars(tag):
                     series.setdefault(tag, {})[event.step] = event.value  # a resumed run overwrites
     elif (run_dir / "history.jsonl").exists():
-        for step, line in enumerate((run_dir / "history.jsonl").read_text().splitlines(), start=1):
-            for tag, value in json.loads(line).items():
+        for step, line in enumerate((run_dir / "history.jsonl").read_text(errors="replace").splitlines(), start=1):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                raise ConfigError(f"{run_dir / 'history.jsonl'}: line {step} is not JSON; the file is corrupt") from None
+            for tag, value in (record.items() if isinstance(record, dict) else ()):
                 if isinstance(value, (int, float)):
                     series.setdefault(tag, {})[step] = float(value)
     return {tag: sorted(points.items()) for tag, points in series.items()}
@@ -92,6 +97,14 @@ def svg_line_chart(curves: dict[str, list[tuple[int, float]]], title: str, width
     return "".join(parts)
 
 
+def _json(path: Path):
+    """A JSON file of the run or an eval folder; ValueError naming it when it is not JSON."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path}: not valid JSON ({error}); the file is corrupt") from None
+
+
 def _img(path: Path) -> str:
     data = base64.b64encode(path.read_bytes()).decode()
     return f'<figure><img src="data:image/png;base64,{data}" alt="{html.escape(path.name)}">' \
@@ -135,8 +148,17 @@ def build_report(run_dir: str | Path, out: str | Path | None = None, eval_dirs: 
     if not run_dir.is_dir():
         raise FileNotFoundError(f"no run folder at {run_dir.resolve()}")
     out = Path(out) if out else run_dir / "report" / "index.html"
-    metrics = json.loads((run_dir / "metrics.json").read_text()) if (run_dir / "metrics.json").exists() else {}
-    config = (run_dir / "config.json").read_text() if (run_dir / "config.json").exists() else "{}"
+    metrics = _json(run_dir / "metrics.json") if (run_dir / "metrics.json").exists() else {}
+    config = json.dumps(_json(run_dir / "config.json")) if (run_dir / "config.json").exists() else "{}"
+    for image in images:
+        if not Path(image).is_file():
+            raise FileNotFoundError(f"--image {image}: no such file")
+        if Path(image).read_bytes()[:8] != b"\x89PNG\r\n\x1a\n":
+            raise ConfigError(f"--image {image}: not a PNG file")
+    for eval_dir in eval_dirs:
+        if not (Path(eval_dir) / "summary.json").is_file():
+            raise FileNotFoundError(f"--eval {eval_dir}: no summary.json (an output folder of flowalign eval)")
+        _json(Path(eval_dir) / "summary.json")
     sections = [f"<h1>flowalign run: {html.escape(run_dir.resolve().name)}</h1>"]
 
     before, after = metrics.get("before") or {}, metrics.get("after") or {}
@@ -157,7 +179,7 @@ def build_report(run_dir: str | Path, out: str | Path | None = None, eval_dirs: 
         sections.append("<h2>Grids</h2>" + "".join(_img(p) for p in pngs))
 
     for eval_dir in eval_dirs:
-        summary = json.loads((Path(eval_dir) / "summary.json").read_text())
+        summary = _json(Path(eval_dir) / "summary.json")
         metric_names = sorted({k for entry in summary.values() for k, v in entry.items()
                                if isinstance(v, float) and not is_change_key(k)})
         rows = [[label, entry["samples"], *[metric_cell(entry, m) for m in metric_names]]

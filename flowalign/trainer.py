@@ -42,7 +42,7 @@ from flowalign.distributed import Distributed
 from flowalign.ema import EMA, maybe_swapped_in, short_run_warning
 from flowalign.epoch_sampler import EpochBatch, EpochSampler
 from flowalign.evaluator import Evaluator, flat
-from flowalign.faults import NanEpochStreak, RewardGuard, finite_json
+from flowalign.faults import NanEpochStreak, RewardGuard, built_reward, finite_json
 from flowalign.callbacks import HubPush, TrackerLogging, fire
 from flowalign.hub import check_hub
 from flowalign.logs import add_default_handler, get_logger
@@ -52,8 +52,9 @@ from flowalign.objectives.base import Context, Minibatch, objective_class
 from flowalign.outputs import init_trackers, write_hub_files
 from flowalign.preflight import check_modality, check_reward_components, family_prediction, validate
 from flowalign.prompts import load_prompts
+from flowalign.run_folder import RunLock, clear_outputs, settings
 from flowalign.stopping import GracefulStop
-from reward_models.base import as_reward, build_reward
+from reward_models.base import as_reward
 
 log = get_logger("trainer")
 
@@ -87,12 +88,33 @@ class Trainer:
                               f"remove it: the trainer accumulates each minibatch over its {accumulation} loss terms")
         self.dist = Distributed(acc, t)
         self.dist.check_backend(accumulation, t)
+        self.lock = RunLock(self.out)  # this run owns output_dir until it ends (flowalign/run_folder.py)
+        try:
+            self._set_up(config, objective_cls, reward, train_prompts, eval_prompts, adapter, callbacks)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _set_up(self, config, objective_cls, reward, train_prompts, eval_prompts, adapter, callbacks) -> None:
+        t, acc = config.train, self.accelerator
+        failed = None
+        if acc.is_main_process:
+            try:
+                self.lock.acquire()
+                if config.overwrite and not config.resume:
+                    clear_outputs(self.out)
+            except ConfigError as error:
+                failed = error
+        if self.dist.any(failed is not None):
+            raise failed or ConfigError(f"output_dir: {self.out} is in use by another run")
         self.train_specs = load_prompts(config.data.train_prompts if train_prompts is None else train_prompts)
         self.eval_specs = load_prompts(config.data.eval_prompts if eval_prompts is None else eval_prompts)
         r = config.reward  # each call with a deadline and an error policy (flowalign/faults.py)
-        reward = build_reward(r.name, **r.kwargs) if reward is None else as_reward(reward)
+        reward = built_reward(r.name, r.kwargs) if reward is None else as_reward(reward)
         self.reward = RewardGuard(reward, r.name, r.timeout_s, r.on_error, r.weights)
-        self.extra_rewards = [build_reward(name) for name in config.eval.extra_rewards]
+        log.info("%s", self.reward.describe())
+        self.extra_rewards = [RewardGuard(built_reward(name, {}), name, None, "raise", inline=True)
+                              for name in config.eval.extra_rewards]
         check_reward_components(config, self.reward)
         check_modality(config, self.reward, self.extra_rewards)
 
@@ -108,6 +130,7 @@ class Trainer:
                                    self.model, self.eval_specs, self.out)
         self.evaluator.ema, self.evaluator.rollout = self.ema, self.objective.rollout
         self.checkpointer = self._checkpointer()
+        self.checkpointer.settings = settings(config)
         self.epoch = 0
         self.resumed_seconds, self.session_start = 0.0, time.time()  # train time before this session; its start
         self.history: list[dict] = []
@@ -133,6 +156,12 @@ class Trainer:
     def train(self) -> dict:
         """The whole run. SIGTERM / SIGINT at any time during it stop the run after the epoch in
         progress with a checkpoint (during the last epoch: the run just finishes)."""
+        try:
+            return self._train()
+        finally:
+            self.lock.release()
+
+    def _train(self) -> dict:
         cfg, acc = self.config, self.accelerator
         self.sampler.prepare(self.objective.rollout)  # e.g. pre-generated groups: read (and checked) first
         with GracefulStop() as stop:
@@ -147,7 +176,7 @@ class Trainer:
             if "before" not in self.evals:
                 self.evals["before"] = self.evaluate("before")
             start = self.session_start = time.time()
-            nan_streak = NanEpochStreak(cfg.train.max_nan_epochs)
+            nan_streak = NanEpochStreak(cfg.train.max_nan_epochs, cfg.reward.name)
             bar = tqdm(range(self.epoch, cfg.train.epochs), desc="epochs", disable=not acc.is_main_process,
                        initial=self.epoch, total=cfg.train.epochs)
             for epoch in bar:
@@ -172,6 +201,7 @@ class Trainer:
                     bar.close()
                     return self._stopped(stop.requested or "a signal to another process",
                                          saved or self.save_checkpoint())
+            nan_streak.finish()  # every epoch's every reward NaN: nothing was trained, not a finished run
             self.evals["after"] = self.evaluate("after")
             if self.ema is not None and (warning := short_run_warning(self.ema)) and acc.is_main_process:
                 log.warning("%s", warning)

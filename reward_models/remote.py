@@ -24,9 +24,15 @@ Bounds, so that one client cannot take the server's memory or its time from the 
 request body (``max_payload`` bytes, checked against ``Content-Length`` before any byte is read; a
 negative or missing length is refused unread), the decoded pixels of one sample and of one request
 (``max_image_pixels``, ``max_request_pixels``, read from each PNG's header or NPY's shape before
-decoding; 413 naming the bound), the time to send the body and to score it (``timeout_s``: 408,
-503), and the time a connection may stay silent (``idle_timeout_s``, then it is closed and its
-thread ends). A malformed field answers 400 naming it.
+decoding; 413 naming the bound), the pixels of one reward call across merged requests
+(``max_batch_pixels``), the time to send the body and to score it (``timeout_s``: 408, 503), the
+time for a whole request head and for a silent connection (``idle_timeout_s``: a client dribbling
+its headers is cut then, by one reaper thread), and the open connections (``max_connections``, a
+thread each; past it 503 at once, with an accept queue of BACKLOG). A malformed field answers 400
+naming it; so does a request on which the reward raises an input error (KeyError, TypeError,
+ValueError, IndexError) alone or while the requests merged with it were scored: one bad request
+never fails the others. ``token``: every request needs ``Authorization: Bearer TOKEN`` (401);
+``flowalign reward-server`` requires one when binding beyond loopback.
 
 Client (reward name ``remote``): ``reward.name=remote reward.kwargs={url: http://host:port}``.
 Each call has a timeout and is retried with exponential backoff; when the server stays
@@ -45,6 +51,7 @@ import io
 import json
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -60,7 +67,9 @@ from reward_models.base import Reward, register_reward
 log = logging.getLogger(__name__)
 DEFAULT_MAX_PAYLOAD = 64 * 2**20
 DEFAULT_MAX_IMAGE_PIXELS = 2**22  # 2048 × 2048 per sample (an NPY sample: its values / 3)
-DEFAULT_MAX_REQUEST_PIXELS = 2**26  # 64 samples of 1024 × 1024 per request
+DEFAULT_MAX_REQUEST_PIXELS = 2**24  # 16 samples of 1024 × 1024 per request (the client splits larger batches)
+DEFAULT_MAX_CONNECTIONS = 2048  # open connections (a thread each); more are answered 503 at once and closed
+BACKLOG = 1024  # connections the kernel queues before the server accepts them (socketserver's default: 5)
 DEFAULT_TIMEOUT_S = 300.0  # to receive a request's body, and to score it
 DEFAULT_IDLE_TIMEOUT_S = 30.0  # a connection silent this long is closed
 FORMATS = ("uint8", "png", "npy")
@@ -191,11 +200,25 @@ def parse_request(body: bytes, max_image: int, max_request: int) -> tuple[torch.
 # --------------------------------------------------------------------------- server
 
 
+def _pixels(job: dict) -> int:
+    samples = job["samples"]
+    return int(samples[0].numel() // 3) * len(samples) if len(samples) else 0
+
+
+# a reward call raising one of these on a request alone is that request's fault (400, not retried); any
+# other exception (a CUDA error, a RuntimeError) is the server's (500, retried by the client)
+INPUT_ERRORS = (KeyError, TypeError, ValueError, IndexError)
+
+
+class RequestFailed(ValueError):
+    """The reward raised on this request alone (scored apart from the others of its batch): answered 422."""
+
+
 class _Batcher:
     """One worker thread that merges queued requests into reward calls of ≤ max_batch samples."""
 
-    def __init__(self, reward: Reward, max_batch: int):
-        self.reward, self.max_batch = reward, max_batch
+    def __init__(self, reward: Reward, max_batch: int, max_batch_pixels: int | None = None):
+        self.reward, self.max_batch, self.max_batch_pixels = reward, max_batch, max_batch_pixels
         self.requests: queue.Queue = queue.Queue()
         threading.Thread(target=self._work, daemon=True).start()
 
@@ -218,7 +241,7 @@ class _Batcher:
             jobs = [self.requests.get()]
             if jobs[0].get("abandoned"):
                 continue
-            size = len(jobs[0]["prompts"])
+            size, pixels = len(jobs[0]["prompts"]), _pixels(jobs[0])
             while size < self.max_batch:
                 try:
                     job = self.requests.get_nowait()
@@ -226,11 +249,12 @@ class _Batcher:
                     break
                 if job.get("abandoned"):
                     continue
-                if size + len(job["prompts"]) > self.max_batch:
+                if size + len(job["prompts"]) > self.max_batch or self.max_batch_pixels is not None \
+                        and pixels + _pixels(job) > self.max_batch_pixels:
                     self.requests.put(job)  # goes into the next call
                     break
                 jobs.append(job)
-                size += len(job["prompts"])
+                size, pixels = size + len(job["prompts"]), pixels + _pixels(job)
             self._run(jobs)
 
     def _run(self, jobs: list[dict]) -> None:
@@ -247,21 +271,35 @@ class _Batcher:
                 job["result"] = {k: torch.as_tensor(v, dtype=torch.float32)[lo:lo + n].tolist()
                                  for k, v in result.items()}
                 lo += n
-        except Exception as error:  # noqa: BLE001  (reported to every waiting client)
-            for job in jobs:
-                job["error"] = error
-        finally:
-            for job in jobs:
-                job["done"].set()
+        except Exception as error:  # noqa: BLE001
+            if len(jobs) > 1:  # one request's content may be what failed: score each alone, so only it fails
+                for job in jobs:
+                    job.pop("result", None)
+                    self._run([job])
+                if any("result" in job for job in jobs):  # the others scored: the failed ones' content is at fault
+                    for job in jobs:
+                        if "error" in job:
+                            e = job["error"]
+                            job["error"] = RequestFailed(f"the reward failed on this request's samples or metadata "
+                                                         f"(the requests batched with it were scored): "
+                                                         f"{type(e).__name__}: {e}")
+                return
+            jobs[0]["error"] = error
+        for job in jobs:
+            job["done"].set()
 
 
 def make_server(reward: Reward, name: str, host: str = "127.0.0.1", port: int = 0, max_batch: int = 64,
                 max_payload: int = DEFAULT_MAX_PAYLOAD, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
                 max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS, timeout_s: float = DEFAULT_TIMEOUT_S,
-                idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> ThreadingHTTPServer:
+                idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, token: str | None = None,
+                max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                max_batch_pixels: int | None = None) -> ThreadingHTTPServer:
     """A ready-to-serve HTTP server (``server.serve_forever()``); port 0 picks a free port
-    (``server.server_address``). The bounds: the module docstring."""
-    batcher = _Batcher(reward, max_batch)
+    (``server.server_address``). The bounds: the module docstring. ``token``: every request must
+    carry ``Authorization: Bearer TOKEN`` (401 otherwise). ``max_batch_pixels``: the pixels one
+    reward call may hold across merged requests (default: ``max_request_pixels``)."""
+    batcher = _Batcher(reward, max_batch, max_batch_pixels or max_request_pixels)
     components = list(getattr(reward, "components", ()))
 
     class Handler(BaseHTTPRequestHandler):
@@ -284,13 +322,40 @@ def make_server(reward: Reward, name: str, host: str = "127.0.0.1", port: int = 
             self.end_headers()
             self.wfile.write(data)
 
+        def parse_request(self):  # the request line and headers are in: the head deadline is met
+            ok = super().parse_request()
+            server.reaper.cancel(self.connection)
+            return ok
+
+        def handle_one_request(self):
+            # the whole head (request line and headers) within idle_timeout_s, not each read: a client that
+            # dribbles a byte now and then is closed at the deadline (one reaper thread for every connection)
+            server.reaper.watch(self.connection, idle_timeout_s)
+            try:
+                super().handle_one_request()
+            finally:
+                server.reaper.cancel(self.connection)
+
+        def _authorized(self) -> bool:
+            if token is None or self.headers.get("Authorization", "") == f"Bearer {token}":
+                return True
+            self.close_connection = True
+            self._answer(401, {"error": "unauthorized: this server needs Authorization: Bearer TOKEN "
+                                        "(RemoteReward(token=...), reward.kwargs.token)"})
+            return False
+
         def do_GET(self):
+            if not self._authorized():
+                return
             if self.path == "/health":
-                self._answer(200, {"status": "ok", "reward": name, "components": components})
+                self._answer(200, {"status": "ok", "reward": name, "components": components,
+                                   "max_request_pixels": max_request_pixels, "max_payload": max_payload})
             else:
                 self._answer(404, {"error": f"unknown path {self.path}; use GET /health or POST /score"})
 
         def do_POST(self):
+            if not self._authorized():
+                return
             if self.path != "/score":
                 return self._answer(404, {"error": f"unknown path {self.path}; use POST /score"})
             text = self.headers.get("Content-Length")
@@ -318,7 +383,12 @@ def make_server(reward: Reward, name: str, host: str = "127.0.0.1", port: int = 
                 result = batcher.score(samples, prompts, metadata, timeout_s)
             except TimeoutError as error:
                 return self._answer(503, {"error": f"reward busy: {error}"})
-            except Exception as error:  # noqa: BLE001
+            except RequestFailed as error:  # the others of its batch were scored: this request is at fault
+                return self._answer(400, {"error": f"bad request: {error}"})
+            except INPUT_ERRORS as error:  # what a reward raises on input it cannot read (a missing metadata key)
+                return self._answer(400, {"error": f"bad request: the reward could not read this request's samples or metadata: "
+                                                   f"{type(error).__name__}: {error}"})
+            except Exception as error:  # noqa: BLE001  (the reward itself failed: the client retries)
                 return self._answer(500, {"error": f"reward failed: {type(error).__name__}: {error}"})
             self._answer(200, {"components": {k: [None if math.isnan(x) else x for x in v]
                                               for k, v in result.items()}})
@@ -337,9 +407,80 @@ def make_server(reward: Reward, name: str, host: str = "127.0.0.1", port: int = 
                 left -= len(chunk)
             return b"".join(chunks)
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    return server
+    server = _BoundedServer((host, port), Handler, max_connections)
+    return server  # the handlers reach server.reaper through this name
+
+
+class _Reaper:
+    """One thread that cuts connections whose request head is not in by their deadline."""
+
+    def __init__(self):
+        self.deadlines: dict = {}
+        self.lock = threading.Lock()
+        threading.Thread(target=self._run, daemon=True, name="head-deadlines").start()
+
+    def watch(self, sock, seconds: float) -> None:
+        with self.lock:
+            self.deadlines[sock] = time.monotonic() + seconds
+
+    def cancel(self, sock) -> None:
+        with self.lock:
+            self.deadlines.pop(sock, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.25)
+            now = time.monotonic()
+            with self.lock:
+                due = [sock for sock, deadline in self.deadlines.items() if deadline <= now]
+                for sock in due:
+                    del self.deadlines[sock]
+            for sock in due:
+                try:
+                    sock.shutdown(2)  # its handler's read ends; the thread closes the connection
+                except OSError:
+                    pass
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """One thread per connection, at most ``max_connections`` of them: a connection past the limit is
+    answered 503 at once and closed (no thread); the kernel's accept queue holds BACKLOG."""
+
+    daemon_threads = True
+    request_queue_size = BACKLOG
+
+    def __init__(self, address, handler, max_connections: int):
+        self.max_connections, self.open_connections = max_connections, 0
+        self._count = threading.Lock()
+        self.reaper = _Reaper()
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        with self._count:
+            full = self.open_connections >= self.max_connections
+            if not full:
+                self.open_connections += 1
+        if full:
+            body = b'{"error": "server busy: too many open connections; retry"}'
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Retry-After: 1\r\nConnection: close\r\nContent-Length: "
+                                + str(len(body)).encode() + b"\r\n\r\n" + body)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def handle_error(self, request, client_address):  # a client gone or cut at its deadline: not worth a traceback
+        log.debug("connection from %s ended with an error", client_address, exc_info=True)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._count:
+                self.open_connections -= 1
 
 
 # --------------------------------------------------------------------------- client
@@ -366,7 +507,8 @@ class RemoteReward(Reward):
     max_idle = 4  # idle keep-alive connections kept open (one per thread calling at once)
 
     def __init__(self, url: str = "http://127.0.0.1:8765", timeout: float = 60.0, retries: int = 3,
-                 backoff: float = 0.5, format: str | None = None, components: list[str] | None = None):
+                 backoff: float = 0.5, format: str | None = None, components: list[str] | None = None,
+                 token: str | None = None):
         parsed = urllib.parse.urlsplit(url.rstrip("/"))
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ValueError(f"url must look like http://HOST:PORT, got {url!r}")
@@ -376,9 +518,12 @@ class RemoteReward(Reward):
             raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
         self.url, self.timeout, self.retries, self.backoff, self.format = url.rstrip("/"), timeout, retries, backoff, format
         self._parsed = parsed
+        self.token = token or os.environ.get("FLOWALIGN_REWARD_TOKEN")
         self._idle: list[http.client.HTTPConnection] = []  # keep-alive connections not in use
         self._lock = threading.Lock()
-        self.components = tuple(components) if components else tuple(self.health()["components"])
+        health = {} if components else self.health()
+        self.components = tuple(components) if components else tuple(health["components"])
+        self.max_request_pixels = health.get("max_request_pixels")  # larger batches go as several requests
 
     def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
         """An idle pooled connection (True: it served a request before and may have gone stale), or a
@@ -406,7 +551,7 @@ class RemoteReward(Reward):
 
     def _request(self, path: str, body: bytes | None = None) -> dict:
         """One request on a keep-alive connection; ServerRefused (4xx), ServerError (5xx)."""
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.token}"} if self.token else {})}
         while True:
             conn, reused = self._connection()
             try:
@@ -447,6 +592,12 @@ class RemoteReward(Reward):
         raise ConnectionError(f"reward server {self.url} failed {self.retries + 1} times: {last}")
 
     def __call__(self, samples, prompts, metadata):
+        per = int(samples[0].numel() // 3) if isinstance(samples, torch.Tensor) and len(samples) else 0
+        step = max(1, self.max_request_pixels // per) if self.max_request_pixels and per else len(prompts)
+        if step < len(prompts):  # the server's bound per request: the batch in parts, scored in order
+            parts = [self(samples[i:i + step], prompts[i:i + step], metadata[i:i + step])
+                     for i in range(0, len(prompts), step)]
+            return {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
         body = json.dumps({"format": self.format, "samples": encode_samples(samples, self.format),
                            "prompts": list(prompts), "metadata": list(metadata)}).encode()
         try:

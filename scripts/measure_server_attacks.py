@@ -17,6 +17,14 @@ server is killed after each attack. Attacks (docs/faults.md gives the numbers):
 * ``bad_prompts``, ``bad_metadata``: a string for ``prompts``, numbers for ``metadata``;
 * ``idle``: 50 connections that send nothing; the server's threads after 2 s and after
   ``--idle-wait`` seconds.
+* ``flood``: 900 connections that send half a request head and then nothing, held ``--flood-hold`` s;
+* ``pixel_request``: one request of 64 PNGs at 1024² (the issue's 269 KB request: 67 Mpx);
+* ``batched_bad``: requests whose metadata the reward cannot read, sent while the legitimate clients
+  loop (their requests are merged into the same reward calls).
+
+During every attack two legitimate clients loop (4 small images a request, one at a time each);
+their worst latency, their failed requests and how many they sent are reported with the server's
+peak memory.
 """
 
 from __future__ import annotations
@@ -157,6 +165,69 @@ def idle(server: Server, idle_wait: float, connections: int = 50) -> dict:
     return result
 
 
+class LegitClients:
+    """``n`` threads posting a normal request in a loop until stopped: worst latency, failures."""
+
+    def __init__(self, port: int, wait: float, n: int = 2):
+        self.port, self.wait, self.stop_flag = port, wait, threading.Event()
+        self.latencies: list[float] = []
+        self.failures: list[str] = []
+        self.body = normal_body()
+        self.threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(n)]
+
+    def _loop(self) -> None:
+        while not self.stop_flag.is_set():
+            result = post(self.port, self.body, self.wait)
+            self.latencies.append(result["seconds"])
+            if result["status"] != 200:
+                self.failures.append(f"{result['status']}: {result['answer'][:80]}")
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop_flag.set()
+        for t in self.threads:
+            t.join()
+
+    def report(self) -> dict:
+        return {"legit_requests": len(self.latencies), "legit_worst_s": round(max(self.latencies, default=0.0), 2),
+                "legit_failures": len(self.failures), "legit_failure_example": self.failures[:1]}
+
+
+def flood(server: Server, hold: float, connections: int = 900) -> dict:
+    held = []
+    for _ in range(connections):
+        try:
+            s = socket.create_connection((HOST, server.port), timeout=5)
+            s.sendall(b"POST /score HTTP/1.1\r\nContent-Length: 10\r\n")
+            held.append(s)
+        except OSError:
+            break
+    time.sleep(hold)
+    result = {"connections_held": len(held), "threads_while_held": server.status()["threads"]}
+    for s in held:
+        s.close()
+    return result
+
+
+def pixel_request(server: Server, wait: float, count: int = 64, side: int = 1024) -> dict:
+    spec = prompt_split("test")[0]
+    body = json.dumps({"format": "png", "samples": [png(np.zeros((side, side, 3), dtype=np.uint8))] * count,
+                       "prompts": [spec["prompt"]] * count, "metadata": [spec] * count}).encode()
+    return {"body_bytes": len(body), "attack": post(server.port, body, wait)}
+
+
+def batched_bad(server: Server, wait: float, rounds: int = 20) -> dict:
+    request = json.loads(normal_body(2))
+    request["metadata"] = [{"bogus": 1}, {"bogus": 2}]
+    body = json.dumps(request).encode()
+    answers = [post(server.port, body, wait)["status"] for _ in range(rounds)]
+    return {"bad_answers": sorted(set(answers))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repo", default=str(Path(__file__).resolve().parents[1]), help="the checkout to serve from")
@@ -166,7 +237,9 @@ def main() -> None:
     parser.add_argument("--meanwhile-after", type=float, default=5,
                         help="seconds after the 4000×4000 PNG that the normal request is sent")
     parser.add_argument("--idle-wait", type=float, default=35, help="seconds the idle connections are held")
-    parser.add_argument("--only", default="bomb,negative_length,bad_prompts,bad_metadata,idle")
+    parser.add_argument("--flood-hold", type=float, default=10, help="seconds the flood's connections are held")
+    parser.add_argument("--only", default="bomb,negative_length,bad_prompts,bad_metadata,idle,flood,pixel_request,"
+                                          "batched_bad")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     attacks = {"bomb": lambda s: bomb(s, args.wait, args.meanwhile_after),
@@ -174,12 +247,17 @@ def main() -> None:
                "negative_length": lambda s: negative_length(s, args.wait),
                "bad_prompts": lambda s: malformed(s, args.wait, "prompts"),
                "bad_metadata": lambda s: malformed(s, args.wait, "metadata"),
-               "idle": lambda s: idle(s, args.idle_wait)}
+               "idle": lambda s: idle(s, args.idle_wait),
+               "flood": lambda s: flood(s, args.flood_hold),
+               "pixel_request": lambda s: pixel_request(s, args.wait),
+               "batched_bad": lambda s: batched_bad(s, args.wait)}
     results = {"repo": args.repo, "reward": args.reward, "server_args": args.server_args}
     for name in args.only.split(","):
         server = Server(Path(args.repo), args.reward, args.server_args.split())
         try:
-            outcome = attacks[name](server)
+            with LegitClients(server.port, args.wait) as legit:
+                outcome = attacks[name](server)
+            outcome.update(legit.report())
             status = server.status()
             outcome.update(baseline_rss_mb=server.baseline["rss_mb"], peak_rss_mb=status["peak_rss_mb"],
                            peak_increase_mb=round(status["peak_rss_mb"] - server.baseline["rss_mb"], 1))

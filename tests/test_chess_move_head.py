@@ -3,12 +3,14 @@ without the move task (``scripts/pretrain_chess.py --no-move-task``)."""
 
 
 import chess
+import importlib.util
 import pytest
 import torch
 
 from pipelines import chess_tokenizer as tok
 from pipelines.chess import ChessAdapter, ChessPuzzlePipeline, choose_moves, legal_move_tokens, move_last, partial_tokens
 from pipelines.chess_model import ChessDiffusionModel
+from reward_models.chess.engine import find_stockfish
 from script_module import load_script
 
 MOVES = slice(tok.BOARD_LEN, tok.SEQ_LEN)
@@ -207,6 +209,8 @@ def test_move_schedule_last_is_refused_for_a_family_without_a_move():
         load_config("configs/chess_ddpo.yaml", ["sampling.move_schedule=first"])
 
 
+@pytest.mark.skipif(find_stockfish() is None or importlib.util.find_spec("chess") is None,
+                    reason="needs Stockfish and python-chess: apt-get install stockfish; pip install 'chess>=1.10'")
 def test_a_short_ddpo_run_under_last_runs_on_policy(tmp_path):
     """``flowalign train`` with ``sampling.move_schedule=last`` as a user runs it: the move view
     travels with the conditioning through the trainer's batching (epoch cat, minibatch

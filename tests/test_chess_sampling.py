@@ -52,7 +52,7 @@ def test_sample_keeps_the_fixed_squares(tiny_dir, tmp_path):
     assert len({r["fen"] for r in rows}) > 1  # the free squares are generated, not copied
 
 
-@pytest.mark.skipif(find_stockfish() is None, reason="Stockfish not installed")
+@pytest.mark.skipif(find_stockfish() is None, reason="needs Stockfish: apt-get install stockfish")
 def test_sample_writes_pgn_with_engine_solutions(tiny_dir, tmp_path):
     # the whole board fixed: the back-rank mate Ra8# (white to move) is the only puzzle the model can make
     out = tmp_path / "puzzles.pgn"

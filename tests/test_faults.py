@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 import flowalign.checkpoint as checkpoint_module
 import flowalign.objectives.flow_grpo as flow_grpo_module
 from flowalign.checkpoint import CheckpointError, DiskFullError
+from flowalign.faults import RunStopped
 from flowalign.integrity import file_sha256
 from flowalign.trainer import Trainer
 from reward_models.base import Reward, register_reward
@@ -104,7 +105,7 @@ def short_run(tiny_sd3_dir, out, *overrides):
 
 
 def resumed(tiny_sd3_dir, out, resume="auto"):
-    trainer = Trainer(tiny_config(tiny_sd3_dir, out, "train.epochs=2", "train.train_batch_size=4"))
+    trainer = Trainer(tiny_config(tiny_sd3_dir, out, "train.epochs=2", "train.train_batch_size=4", f"resume={resume}"))
     trainer.resume(resume)
     return trainer
 
@@ -384,8 +385,10 @@ def test_a_reward_that_raises_is_named_in_one_line_or_scored_nan(tiny_sd3_dir, t
     assert "Kept: no checkpoint yet" in err
     trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path / "nan", "reward.name=test_raising",
                                   "reward.on_error=nan", "train.epochs=1"))
-    trainer.train()
+    with pytest.raises(RunStopped, match=r"every reward was NaN in all 1 epoch\(s\) of this run: reward 'test_raising'"):
+        trainer.train()  # scored NaN, then: a run that trained on nothing does not end as if it had
     assert trainer.history[0]["reward/dropped_nan"] == 8
+    assert not (tmp_path / "nan" / "final").exists()
     assert "raised on batch 2 (8 samples" in capsys.readouterr().err
 
 

@@ -100,7 +100,9 @@ def test_a_saved_dataset_and_its_splits_are_prompt_sources(tmp_path, monkeypatch
     datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "p.parquet"))
     assert load_prompts(str(tmp_path / "p.parquet")) == expected  # a data file through load_dataset
     (tmp_path / "with_image").mkdir()
-    (tmp_path / "with_image/in.png").write_bytes(b"png")
+    from PIL import Image
+
+    Image.new("RGB", (4, 4)).save(tmp_path / "with_image/in.png")  # a conditioning image must decode
     datasets.Dataset.from_dict({"prompt": ["edit it"], "image": ["in.png"]}).save_to_disk(str(tmp_path / "with_image"))
     image = str(tmp_path / "with_image/in.png")  # an image path column, relative to the dataset's folder
     assert load_prompts(str(tmp_path / "with_image")) == [{"prompt": "edit it", "image": image}]

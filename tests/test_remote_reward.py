@@ -58,7 +58,8 @@ def test_health_unknown_paths_and_bounded_payload(serve):
     url = serve(build_reward("jpeg_compressibility"), "jpeg_compressibility", max_payload=10_000)
     with urllib.request.urlopen(url + "/health") as response:
         assert json.loads(response.read()) == {"status": "ok", "reward": "jpeg_compressibility",
-                                               "components": ["jpeg_compressibility"]}
+                                               "components": ["jpeg_compressibility"],
+                                               "max_request_pixels": 2**24, "max_payload": 10_000}
     with pytest.raises(urllib.error.HTTPError) as error:
         urllib.request.urlopen(url + "/nope")
     assert error.value.code == 404
@@ -141,7 +142,8 @@ def test_training_survives_a_reward_server_that_dies(tiny_sd3_dir, tmp_path, ser
     for url, dropped in ((server_url, 0), (dead_url, 8)):
         kwargs = f"reward.kwargs={{url: {url}, retries: 0, components: [score, accuracy]}}"
         trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path / str(dropped), "reward.name=remote", kwargs,
-                                      "train.epochs=1", "train.groups_per_epoch=2"))
+                                      "train.epochs=1", "train.groups_per_epoch=2",
+                                      "train.max_nan_epochs=0"))  # 0: go on, even through a whole NaN run
         trainer.train()
         assert trainer.history[0]["reward/dropped_nan"] == dropped
         assert all(torch.isfinite(v).all() for v in trainer.adapter.trained_state_dict().values())

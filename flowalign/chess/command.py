@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from flowalign import arguments as A
+
 FAMILY = "chess"
 OPTIONS = ("partial_fen", "grid", "boards")  # refused for other families when given
 
@@ -19,7 +21,7 @@ def add_sample_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fixed", default="pieces",
                    help="what of --partial-fen to keep, a comma list of 'pieces' (its occupied squares), square names, "
                         "'turn', 'castling', 'ep' or 'all' (default: pieces)")
-    g.add_argument("--nodes", type=int, default=100_000, help="Stockfish nodes per search")
+    g.add_argument("--nodes", type=A.integer(1), default=100_000, help="Stockfish nodes per search")
     g.add_argument("--move-schedule", default="joint", choices=("joint", "last"),
                    help="unmask the model's own best move with the board (joint) or after it, as the most probable "
                         "legal move (last; docs/chess.md)")

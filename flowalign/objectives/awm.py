@@ -53,6 +53,7 @@ NaN reward (``valid`` false) are left out of the mean.
 from __future__ import annotations
 
 import torch
+from flowalign.domains import Annotated, above, at_least, between
 
 from flowalign.objectives.base import flow_matching_error, plus_velocity_kl, weighted_mean
 
@@ -127,13 +128,13 @@ class AWMOptions:
     # SD3.5 configs' generalised Huber ((m + 1e-10)^p − 1e-10^p)/p with p = train.awm_ghuber_power.
     awm_loss: str = "mse"
     # p of awm_loss: ghuber (read only then): the authors' configs use 0.25; 1 is the MSE.
-    awm_ghuber_power: float = 0.25
+    awm_ghuber_power: Annotated[float, above(0)] = 0.25
     # Weight of the authors' second KL, mean‖v_θ − v_ema‖² toward an EMA copy of the policy (their
     # SD3.5 configs: 1.0); 0 = off. The EMA is checkpointed and updated once per epoch.
-    awm_ema_beta: float = 0.0
+    awm_ema_beta: Annotated[float, at_least(0)] = 0.0
     # Cap of that EMA's decay; the decay used at an epoch's end is min(cap, 0.001·optimizer steps so
     # far), the authors' linear ramp (their configs: 0.3).
-    awm_ema_decay: float = 0.3
+    awm_ema_decay: Annotated[float, between(0, 1)] = 0.3
 
 
 @register

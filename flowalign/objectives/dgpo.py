@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from flowalign.domains import Annotated, above, at_least
 
 from flowalign.objectives.base import flow_matching_error, velocity_kl, weighted_mean
 
@@ -107,10 +108,10 @@ class DGPOOptions:
     # β of the implicit reward s = −β·Δmse, with the group reward's 1/k: the authors' beta_dpo (10–100
     # with a frozen reference, 100 in their GenEval / OCR configs, 10 for PickScore; 2000–5000 only
     # with their EMA reference, which is not implemented here).
-    dgpo_beta: float = 100.0
+    dgpo_beta: Annotated[float, above(0)] = 100.0
     # The timestep clip: noising draws only among the first n levels of the sampling schedule (the
     # high-noise end; the authors' configs: 5 or 7 of 10, i.e. trunc_steps + 1); 0 = every level.
-    dgpo_noise_levels: int = 0
+    dgpo_noise_levels: Annotated[int, at_least(0, "0 = every level")] = 0
 
 
 @register

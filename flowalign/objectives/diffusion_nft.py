@@ -20,6 +20,7 @@ is flow-matching regression of v_θ onto the samples (weighted by t² / w⁺).
 from __future__ import annotations
 
 import torch
+from flowalign.domains import Annotated, above, at_least, between
 
 from flowalign.objectives.base import plus_velocity_kl, weighted_mean
 
@@ -123,9 +124,9 @@ from flowalign.objectives.forward_process import ForwardProcessObjective, Noisin
 class NFTOptions:
     """``train.*`` options of method diffusion_nft."""
 
-    nft_beta: float = 1.0  # β: how far the implicit positive / negative policies sit from the old one
-    nft_old_decay_rate: float = 0.001  # the old policy's EMA decay after epoch e: min(max, rate·e)
-    nft_old_decay_max: float = 0.5
+    nft_beta: Annotated[float, above(0)] = 1.0  # β: how far the implicit positive / negative policies sit from the old one
+    nft_old_decay_rate: Annotated[float, at_least(0)] = 0.001  # the old policy's EMA decay after epoch e: min(max, rate·e)
+    nft_old_decay_max: Annotated[float, between(0, 1)] = 0.5
     # every sample of a group gets the same noising draws (σ and ε) and a group trains in one
     # minibatch: common random numbers. The NFT gradient is Σ_i (2r_i − 1)·(x0_i − x̂0_i), and the ε
     # part of x̂0 is then shared, so it cancels against the group's centred r instead of adding noise.

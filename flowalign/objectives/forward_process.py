@@ -9,11 +9,12 @@ import torch
 
 from flowalign.objectives.base import BaseObjective, Minibatch, Rule
 from pipelines.base import NoisesForward
+from flowalign.domains import Annotated, at_least
 
 
 @dataclass
 class NoisingOptions:
-    noise_draws: int = 4  # noising draws (distinct schedule σ's) per sample per minibatch (train.noise_draws)
+    noise_draws: Annotated[int, at_least(1)] = 4  # noising draws (distinct schedule σ's) per sample per minibatch (train.noise_draws)
 
 
 def forward_draws(dist, n: int, levels: int, shape: tuple[int, ...], k: int,

@@ -21,6 +21,7 @@ implicit rewards of a group differ by the samples, not by the noise draw (lower 
 from __future__ import annotations
 
 import torch
+from flowalign.domains import Annotated, above, at_least
 
 
 def implicit_rewards(mse_theta: torch.Tensor, mse_ref: torch.Tensor, beta: float) -> torch.Tensor:
@@ -84,9 +85,9 @@ class GDROOptions:
     """``train.*`` options of method gdro: implicit-reward scale, target temperature, weight of the
     flow-matching loss on each group's best sample."""
 
-    gdro_beta: float = 6.0
-    gdro_tau: float = 0.05
-    gdro_gamma: float = 0.5
+    gdro_beta: Annotated[float, above(0)] = 6.0
+    gdro_tau: Annotated[float, above(0)] = 0.05
+    gdro_gamma: Annotated[float, at_least(0)] = 0.5
 
 
 @register

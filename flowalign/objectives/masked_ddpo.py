@@ -101,11 +101,12 @@ def masked_ddpo_loss(
 from dataclasses import dataclass  # noqa: E402
 
 from flowalign.objectives.base import BaseObjective, register  # noqa: E402
+from flowalign.domains import Annotated, finite  # noqa: E402
 
 
 @dataclass
 class MaskedDDPOOptions:
-    entropy_coef: float = 0.0  # entropy bonus (train.entropy_coef): L − c_H·H of each step's categoricals
+    entropy_coef: Annotated[float, finite()] = 0.0  # entropy bonus (train.entropy_coef): L − c_H·H of each step's categoricals
 
 
 def masked_trained_steps(num_steps: int, schedule: str, length: int) -> list[int]:
