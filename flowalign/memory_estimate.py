@@ -150,7 +150,11 @@ def estimate(config: RunConfig, adapter_cls) -> dict:
 
         frozen = local_frozen(Path(resolve_model_path(m.path)))
     known_frozen = sum(v for v in frozen.values() if v)
-    targets = m.lora_targets or getattr(adapter_cls, "lora_targets", ("to_q", "to_k", "to_v", "to_out.0"))
+    from pipelines.denoiser import DenoiserAdapter
+
+    declared = adapter_cls.lora_targets if isinstance(adapter_cls, type) and issubclass(adapter_cls, DenoiserAdapter) \
+        else ("to_q", "to_k", "to_v", "to_out.0")
+    targets = m.lora_targets or declared
     trained = (sum(lora_parameters(model, m.lora_rank, targets) for model in models.values()) if m.lora_rank
                else denoiser)
     b = 4 if m.dtype == "float32" else 2

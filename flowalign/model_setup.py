@@ -72,7 +72,9 @@ def compile_denoisers(adapter) -> None:
     """``train.compile``: each denoiser's forward compiled in place (``nn.Module.compile``), so that the
     rollouts, the training forward (through any wrapper) and the reference policy all run it, and the
     state dict keeps its keys. Compiled once per input shape and LoRA state (guards), then reused."""
-    denoisers = adapter.denoisers() if hasattr(adapter, "denoisers") else {"model": adapter.model}
+    from pipelines.denoiser import DenoiserAdapter
+
+    denoisers = adapter.denoisers() if isinstance(adapter, DenoiserAdapter) else {"model": adapter.model}
     for module in denoisers.values():
         module.compile()
 
