@@ -368,11 +368,29 @@ class Trainer:
         return summary
 
 
+# CPU extensions that change which matrix kernels oneDNN/MKL pick inside one torch "capability"
+# (AVX512 with or without AMX, BF16 or FP16 units): the same code differs in the last bits across them
+NUMERIC_CPU_EXTENSIONS = ("amx_bf16", "amx_fp16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_fp16",
+                          "avx512_vnni", "avx_vnni")
+
+
+def cpu_extensions() -> str:
+    """The :data:`NUMERIC_CPU_EXTENSIONS` this CPU has, comma-separated ("" where none, or where
+    /proc/cpuinfo is not readable: off Linux the comparison rests on ``cpu_capability``)."""
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo")
+                      if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return ",".join(sorted(set(flags) & set(NUMERIC_CPU_EXTENSIONS)))
+
+
 def run_environment() -> dict:
     """What a run's numbers depend on besides its config and seed: torch's CPU threads (the split
-    of floating-point sums), torch's version and the instruction set its CPU kernels use."""
+    of floating-point sums), torch's version, the instruction set its CPU kernels use and the
+    CPU's numeric extensions (which kernels the math libraries pick within that instruction set)."""
     return {"threads": torch.get_num_threads(), "torch": torch.__version__,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_extensions": cpu_extensions()}
 
 
 def train(config: RunConfig) -> dict:

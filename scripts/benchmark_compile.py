@@ -20,6 +20,7 @@ import time
 import torch
 
 from flowalign.model_setup import compile_denoisers
+from flowalign.trainer import run_environment
 from pipelines.sd3 import SD3Adapter
 from reward_models.worlds.shapes import prompt_split
 
@@ -70,8 +71,7 @@ def main() -> None:
     results = {name: {"eager_s": statistics.median(v["eager"]), "compiled_s": statistics.median(v["compiled"]),
                       "speedup": statistics.median(e / c for e, c in zip(v["eager"], v["compiled"])),
                       "first_call_cpu_s": compile_seconds[name]} for name, v in times.items()}
-    results["settings"] = {"rounds": args.rounds, "threads": 1, "torch": torch.__version__,
-                           "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    results["settings"] = {"rounds": args.rounds, **run_environment()}
     print(json.dumps(results, indent=2))
     if args.out:
         with open(args.out, "w") as f:

@@ -4,8 +4,9 @@ for the cores. A change that moves a number fails here and must rerun
 ``python scripts/record_golden.py`` in the same commit, saying why.
 
 The numbers depend on the seed, the thread count (pinned by the recipe's ``threads``), torch's
-version and the CPU instruction set of torch's kernels; where the last two differ from the
-recorded ones the comparison cannot be exact and the test says so and skips."""
+version, the CPU instruction set of torch's kernels and the CPU's numeric extensions (AMX, AVX512-BF16/FP16
+pick other matrix kernels); where any of the last three differ from the recorded ones the comparison
+cannot be exact and the test says so and skips."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
+from flowalign.trainer import run_environment
 from script_module import load_script
 
 pytestmark = pytest.mark.slow
@@ -63,8 +64,8 @@ def test_first_difference_names_the_key():
 def test_short_run_repeats_the_golden_numbers_under_load(name, tmp_path):
     golden = json.loads((ROOT / "tests" / "golden" / f"{name}.json").read_text())
     recorded = golden["environment"]
-    here = {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
-    differs = {k: (recorded[k], v) for k, v in here.items() if recorded[k] != v}
+    here = {k: v for k, v in run_environment().items() if k != "threads"}
+    differs = {k: (recorded.get(k, "not recorded"), v) for k, v in here.items() if recorded.get(k) != v}
     if differs:
         pytest.skip(f"golden numbers recorded under {differs} (recorded, here): floating-point results differ "
                     "by design; rerun scripts/record_golden.py on this machine to compare here")

@@ -9,7 +9,7 @@ import torch
 from helpers import cut_and_resumed, tiny_config  # noqa: F401  (cut_and_resumed: re-exported for older imports)
 
 from flowalign.config import ConfigError, load_config
-from flowalign.trainer import Trainer
+from flowalign.trainer import Trainer, cpu_extensions
 from reward_models.base import Reward, register_reward
 
 
@@ -27,7 +27,8 @@ def test_one_update_per_rollout_is_exactly_on_policy_and_kl_starts_at_zero(tiny_
     assert (tmp_path / "grids" / "before_after.png").is_file()
     # what the numbers depend on besides config and seed is recorded beside them
     assert metrics["environment"] == {"threads": 1, "torch": torch.__version__, "processes": 1,
-                                      "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+                                      "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                                      "cpu_extensions": cpu_extensions()}
 
 
 def test_the_run_sets_its_thread_count(tiny_sd3_dir, tmp_path):
