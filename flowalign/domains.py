@@ -145,18 +145,33 @@ def fields_with_hints(cls, prefix: str = ""):
             yield key, hint
 
 
+def undeclared_domains(cls) -> list[str]:
+    """The numeric keys under the dataclass ``cls`` declared without a domain."""
+    return [key for key, hint in fields_with_hints(cls) if numeric(hint) and domain_of(hint) is None]
+
+
+def _values_with_hints(obj, prefix: str = ""):
+    """(dotted key, hint, value) of every setting of the dataclass instance ``obj``, each section by
+    the class of its value: ``train`` holds the options of objectives registered after the config
+    module was imported only in a subclass of the declared ``TrainConfig``."""
+    hints = typing.get_type_hints(type(obj), include_extras=True)
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _values_with_hints(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", hints[f.name], value
+
+
 def check_domains(config, where_of) -> None:
     """ConfigError naming the first key whose value is outside its domain; ``where_of(key)``: where
     the value came from (``flowalign.config.source_of``)."""
     from flowalign.errors import ConfigError
 
-    for key, hint in fields_with_hints(type(config)):
+    for key, hint, value in _values_with_hints(config):
         domain = domain_of(hint)
         if domain is None:
             continue
-        value = config
-        for part in key.split("."):
-            value = getattr(value, part)
         problem = domain.problem(value)
         if problem:
             raise ConfigError(f"{where_of(key)}: {key} {problem}, got {value!r}")

@@ -8,11 +8,10 @@ from typing import Optional
 import pytest
 
 from flowalign.config import ConfigError, RunConfig, load_config
-from flowalign.domains import Annotated, above, domain_of, fields_with_hints, numeric
+from flowalign.domains import Annotated, above, fields_with_hints, numeric, undeclared_domains
 
 
-def undeclared(cls) -> list[str]:
-    return [key for key, hint in fields_with_hints(cls) if numeric(hint) and domain_of(hint) is None]
+undeclared = undeclared_domains
 
 
 def test_every_numeric_key_declares_its_domain():

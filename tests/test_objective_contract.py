@@ -14,6 +14,7 @@ import torch
 from helpers import tiny_config
 
 from flowalign.config import ConfigError, load_config, option_owners, to_dict
+from flowalign.domains import Annotated, above
 from flowalign.group_generation import generate_groups
 from flowalign.objectives import base
 from flowalign.objectives.base import Context, Minibatch, register
@@ -32,7 +33,7 @@ def test_per_reward_advantages_are_refused_for_an_objective_that_takes_one_per_s
 
 @dataclass
 class ThrowawayOptions:
-    throwaway_temperature: float = 1.0  # the options of a method registered after flowalign.config
+    throwaway_temperature: Annotated[float, above(0)] = 1.0  # the options of a method registered after flowalign.config
 
 
 @pytest.fixture
@@ -52,6 +53,27 @@ def throwaway_method():
     register(RewardWeightedFM)
     yield RewardWeightedFM
     base.OBJECTIVES.pop("test_rwfm")
+
+
+def test_a_late_registered_method_s_option_is_held_to_its_domain(throwaway_method):
+    with pytest.raises(ConfigError, match=r"override 'train.throwaway_temperature=-1': "
+                                          r"train.throwaway_temperature must be > 0, got -1"):
+        load_config(None, ["method=test_rwfm", "sampling.eta=0", "train.throwaway_temperature=-1"])
+
+
+def test_an_option_without_a_domain_is_refused_at_registration():
+    @dataclass
+    class Undeclared:
+        throwaway_rate: float = 0.5
+
+    class Forgetful(ForwardProcessObjective):
+        name, rollout = "test_forgetful", "ode"
+        options = (Undeclared,)
+
+    with pytest.raises(TypeError, match=r"method 'test_forgetful': option Undeclared declares train.throwaway_rate "
+                                        r"without a domain"):
+        register(Forgetful)
+    assert "test_forgetful" not in base.OBJECTIVES
 
 
 def test_a_method_registered_after_the_config_takes_its_options_and_refuses_per_reward_advantages(throwaway_method):

@@ -297,7 +297,16 @@ OBJECTIVES: dict[str, list[type]] = {}
 
 
 def register(cls: type) -> type:
-    """Class decorator: make ``cls`` the objective of ``method: cls.name`` for its predictions."""
+    """Class decorator: make ``cls`` the objective of ``method: cls.name`` for its predictions.
+    TypeError for a numeric option declared without its domain (flowalign/domains.py): a method
+    registered by a plug-in, after the config module, is held to the same rule as the built-in ones."""
+    from flowalign.domains import undeclared_domains
+
+    for option in cls.options:
+        if missing := undeclared_domains(option):
+            raise TypeError(f"method {cls.name!r}: option {option.__name__} declares "
+                            f"{', '.join('train.' + k for k in missing)} without a domain: annotate it, e.g. "
+                            "`Annotated[float, above(0)]` (flowalign/domains.py)")
     OBJECTIVES.setdefault(cls.name, []).append(cls)
     return cls
 
