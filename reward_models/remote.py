@@ -27,8 +27,9 @@ negative or missing length is refused unread), the decoded pixels of one sample 
 decoding; 413 naming the bound), the pixels of one reward call across merged requests
 (``max_batch_pixels``), the time to send the body and to score it (``timeout_s``: 408, 503), the
 time for a whole request head and for a silent connection (``idle_timeout_s``: a client dribbling
-its headers is cut then, by one reaper thread), and the open connections (``max_connections``, a
-thread each; past it 503 at once, with an accept queue of BACKLOG). A malformed field answers 400
+its headers is cut then, by one reaper thread), and the open connections (``max_connections``: a
+fixed pool of that many worker threads, started once and reused, serves them; past it 503 at once,
+with an accept queue of BACKLOG). A malformed field answers 400
 naming it; so does a request on which the reward raises an input error (KeyError, TypeError,
 ValueError, IndexError) alone or while the requests merged with it were scored: one bad request
 never fails the others. ``token``: every request needs ``Authorization: Bearer TOKEN`` (401);
@@ -56,7 +57,8 @@ import queue
 import threading
 import time
 import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import numpy as np
 import torch
@@ -294,7 +296,7 @@ def make_server(reward: Reward, name: str, host: str = "127.0.0.1", port: int = 
                 max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS, timeout_s: float = DEFAULT_TIMEOUT_S,
                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, token: str | None = None,
                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                max_batch_pixels: int | None = None) -> ThreadingHTTPServer:
+                max_batch_pixels: int | None = None) -> HTTPServer:
     """A ready-to-serve HTTP server (``server.serve_forever()``); port 0 picks a free port
     (``server.server_address``). The bounds: the module docstring. ``token``: every request must
     carry ``Authorization: Bearer TOKEN`` (401 otherwise). ``max_batch_pixels``: the pixels one
@@ -442,17 +444,19 @@ class _Reaper:
                     pass
 
 
-class _BoundedServer(ThreadingHTTPServer):
-    """One thread per connection, at most ``max_connections`` of them: a connection past the limit is
-    answered 503 at once and closed (no thread); the kernel's accept queue holds BACKLOG."""
+class _BoundedServer(HTTPServer):
+    """A bounded worker pool: ``max_connections`` threads, reused, each serving one connection at a
+    time (keep-alive included); a connection past the limit is answered 503 at once and closed
+    without taking a worker; the kernel's accept queue holds BACKLOG."""
 
-    daemon_threads = True
     request_queue_size = BACKLOG
 
     def __init__(self, address, handler, max_connections: int):
         self.max_connections, self.open_connections = max_connections, 0
         self._count = threading.Lock()
         self.reaper = _Reaper()
+        self.serving: set = set()  # the connections the workers hold, cut on server_close
+        self.workers = ThreadPoolExecutor(max_workers=max_connections, thread_name_prefix="reward-connection")
         super().__init__(address, handler)
 
     def process_request(self, request, client_address):
@@ -470,17 +474,36 @@ class _BoundedServer(ThreadingHTTPServer):
                 pass
             self.shutdown_request(request)
             return
-        super().process_request(request, client_address)
+        self.workers.submit(self._serve, request, client_address)  # a free worker: the count is below the pool size
+
+    def _serve(self, request, client_address):
+        with self._count:
+            self.serving.add(request)
+        try:
+            self.finish_request(request, client_address)
+        except Exception:  # noqa: BLE001  (what socketserver does per connection: one client never ends the server)
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+            with self._count:
+                self.open_connections -= 1
+                self.serving.discard(request)
 
     def handle_error(self, request, client_address):  # a client gone or cut at its deadline: not worth a traceback
         log.debug("connection from %s ended with an error", client_address, exc_info=True)
 
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            with self._count:
-                self.open_connections -= 1
+    def server_close(self):
+        """Stop accepting, then cut the connections in service (a keep-alive client would otherwise
+        hold its worker, and the interpreter's exit joins the pool, until the idle timeout)."""
+        super().server_close()
+        with self._count:
+            serving = list(self.serving)
+        for request in serving:
+            try:
+                request.shutdown(2)
+            except OSError:
+                pass
+        self.workers.shutdown(wait=False, cancel_futures=True)
 
 
 # --------------------------------------------------------------------------- client
