@@ -11,6 +11,7 @@ import os
 import random
 import shutil
 import signal
+import threading
 import time
 
 import pytest
@@ -321,44 +322,71 @@ def test_every_reward_nan_for_epochs_on_end_stops_the_run_keeping_the_checkpoint
     assert not (tmp_path / "final").exists()
 
 
+RELEASE = threading.Event()  # ends the hung calls (a test sets it; no assertion depends on a clock)
+RETURNED: list[int] = []  # the hung calls that have returned
+
+
 @register_reward("test_hanging")
 class Hanging(Reward):
-    """Hangs (for ``seconds``) on the training batches (their specs carry a group_id), not on evaluation."""
+    """Hangs on the training batches (their specs carry a group_id), not on evaluation, until
+    ``RELEASE`` is set (at most ``seconds``)."""
 
     components = ("score",)
 
-    def __init__(self, seconds: float = 3.0, sigterm: bool = False):
+    def __init__(self, seconds: float = 600.0, sigterm: bool = False):
         self.seconds, self.sigterm = seconds, sigterm
 
     def __call__(self, samples, prompts, metadata):
         if "group_id" in metadata[0]:
             if self.sigterm:  # a scheduler's SIGTERM arrives while the call hangs
                 os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(self.seconds)
+            RELEASE.wait(self.seconds)
+            RETURNED.append(1)
         return {"score": samples.mean(dim=(1, 2, 3))}
 
 
-def test_a_hung_reward_scores_its_batch_nan_at_the_deadline(tiny_sd3_dir, tmp_path, capsys):
+@pytest.fixture
+def hung_calls():
+    """The count of hung calls that returned; every hung call is released at the end."""
+    RELEASE.clear()
+    RETURNED.clear()
+    yield RETURNED
+    RELEASE.set()
+
+
+def release_the_hung_call():
+    """End the call hanging now (and only it: the next one hangs again)."""
+    returned = len(RETURNED)
+    RELEASE.set()
+    RELEASE.clear()  # a waiter already notified returns all the same
+    for _ in range(6000):
+        if len(RETURNED) > returned:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the released reward call did not return within 60 s")
+
+
+def test_a_hung_reward_scores_its_batch_nan_at_the_deadline(tiny_sd3_dir, tmp_path, capsys, hung_calls):
     trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, "reward.name=test_hanging", "reward.timeout_s=0.3"))
-    began = time.time()
     stats = trainer.train_epoch()
-    assert time.time() - began < 2.5  # did not wait for the 3 s call
+    assert hung_calls == []  # the epoch ended while its reward call still hung: it was not waited for
     assert stats["reward/dropped_nan"] == 8 and stats["train/skipped"] == 1
     assert "reward 'test_hanging' did not score batch 1 (8 samples" in capsys.readouterr().err
     stats = trainer.train_epoch()  # the late call still runs: no second concurrent call, NaN at once
-    assert stats["reward/dropped_nan"] == 8
+    assert stats["reward/dropped_nan"] == 8 and hung_calls == []
     assert "is still running an earlier batch past its deadline; batch 2" in capsys.readouterr().err
-    time.sleep(3)
+    release_the_hung_call()
     assert trainer.train_epoch()["reward/dropped_nan"] == 8  # the reward still hangs on every training batch
+    assert len(hung_calls) == 1
 
 
-def test_sigterm_during_a_hung_reward_call_stops_at_the_deadline_with_a_checkpoint(tiny_sd3_dir, tmp_path):
+def test_sigterm_during_a_hung_reward_call_stops_at_the_deadline_with_a_checkpoint(tiny_sd3_dir, tmp_path,
+                                                                                   hung_calls):
     trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, "reward.name=test_hanging", "reward.timeout_s=0.5",
                                   "reward.kwargs={sigterm: true}", "train.epochs=3"))
-    began = time.time()
     summary = trainer.train()
     assert summary["interrupted"] == "SIGTERM" and summary["epochs"] == 1
-    assert time.time() - began < 3  # one signal was enough: the hung call was not waited for
+    assert hung_calls == []  # one signal was enough: the run stopped while the call still hung
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["epoch-000001"]
 
 
