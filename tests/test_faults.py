@@ -323,6 +323,7 @@ def test_every_reward_nan_for_epochs_on_end_stops_the_run_keeping_the_checkpoint
 
 
 RELEASE = threading.Event()  # ends the hung calls (a test sets it; no assertion depends on a clock)
+STARTED: list[int] = []  # the hung calls begun
 RETURNED: list[int] = []  # the hung calls that have returned
 
 
@@ -340,6 +341,7 @@ class Hanging(Reward):
         if "group_id" in metadata[0]:
             if self.sigterm:  # a scheduler's SIGTERM arrives while the call hangs
                 os.kill(os.getpid(), signal.SIGTERM)
+            STARTED.append(1)
             RELEASE.wait(self.seconds)
             RETURNED.append(1)
         return {"score": samples.mean(dim=(1, 2, 3))}
@@ -347,11 +349,22 @@ class Hanging(Reward):
 
 @pytest.fixture
 def hung_calls():
-    """The count of hung calls that returned; every hung call is released at the end."""
+    """The hung calls that returned; at the end every hung call is released and has returned, so none
+    returns into the next test."""
     RELEASE.clear()
+    STARTED.clear()
     RETURNED.clear()
     yield RETURNED
     RELEASE.set()
+    _wait_for(lambda: len(RETURNED) == len(STARTED))
+
+
+def _wait_for(condition) -> None:
+    for _ in range(6000):
+        if condition():
+            return
+        time.sleep(0.01)
+    raise AssertionError("a released reward call did not return within 60 s")
 
 
 def release_the_hung_call():
@@ -359,11 +372,7 @@ def release_the_hung_call():
     returned = len(RETURNED)
     RELEASE.set()
     RELEASE.clear()  # a waiter already notified returns all the same
-    for _ in range(6000):
-        if len(RETURNED) > returned:
-            return
-        time.sleep(0.01)
-    raise AssertionError("the released reward call did not return within 60 s")
+    _wait_for(lambda: len(RETURNED) > returned)
 
 
 def test_a_hung_reward_scores_its_batch_nan_at_the_deadline(tiny_sd3_dir, tmp_path, capsys, hung_calls):
