@@ -194,10 +194,11 @@ def test_the_loss_gets_the_epoch_s_diversity_aware_advantages_and_gate(tiny_sd3_
     monkeypatch.setattr(gardo, "gardo_loss", recording)
     trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, *GARDO, *BRIGHT, *OPEN_GATE, "train.kl_beta=0.1",
                                   "train.epochs=1", "train.train_batch_size=4"), reward=Brightness())
-    objective_loss = trainer.objective.loss
+    objective_loss, begin_update, batches = trainer.objective.loss, trainer.objective.begin_update, []
     trainer.objective.loss = lambda mb, j: (rows.append(mb.idx.clone()), objective_loss(mb, j))[1]
+    trainer.objective.begin_update = lambda batch: (batches.append(batch), begin_update(batch))[1]
     trainer.train()
-    batch = trainer.objective.epoch_batch
+    batch = batches[0]
     features = batch.traj.samples.flatten(1)
     expected = gardo_advantages(centred_rewards(batch.rewards, batch.group_ids),
                                 diversity_factor(nearest_neighbour_distance(features, batch.group_ids), batch.group_ids),
@@ -236,6 +237,11 @@ def test_the_reference_is_refreshed_every_refresh_every_epochs(tiny_sd3_dir, tmp
     # the authors' rule: refresh at epoch E when E − (last refresh) > refresh_every, decided after epoch E − 1
     assert [x["train/gardo_refresh"] for x in trainer.history] == [0.0, 1.0, 0.0]
     assert "reference" in trainer.objective.components()
+
+
+def test_the_gate_and_its_controller_move_once_per_epoch_whatever_the_inner_epochs(tiny_sd3_dir, tmp_path):
+    trainer = _run(tiny_sd3_dir, tmp_path, "train.kl_beta=0.1", "train.epochs=2", "train.inner_epochs=2")
+    assert len(trainer.objective.controller.history) == 2
 
 
 def test_a_resumed_run_repeats_the_uninterrupted_one(tiny_sd3_dir, tmp_path):

@@ -257,8 +257,9 @@ class GARDO(FlowGRPO):
                                          t.gardo_gate_rate, t.gardo_gate_fraction)
         self.reset = False  # an optimizer step's KL passed the threshold: refresh at the epoch's end
         self.last_refresh = 0  # the epoch the reference was last refreshed at (0: the initial weights)
-        self.epoch_batch = None  # the batch whose per-sample terms below were computed
+        self.current = False  # the per-sample terms below are this epoch's (inner epochs reuse them)
         self.base = self.factor = self.gate = None  # [N] each, by position in the epoch
+        self.first_term = 0  # the epoch's first loss term: a new minibatch starts there
         self.step_kl: list[torch.Tensor] = []  # the current optimizer step's per-term KLs
 
     @classmethod
@@ -283,10 +284,10 @@ class GARDO(FlowGRPO):
     def begin_update(self, batch) -> None:
         """The epoch's per-sample terms, once per epoch (inner epochs reuse them): the centred
         rewards, the diversity factors and the gate (the controller moves once per epoch)."""
-        if batch is self.epoch_batch:
+        if self.current:
             return
         t, dist = self.config.train, self.ctx.dist
-        self.epoch_batch = batch
+        self.current, self.first_term = True, self.terms(batch)[0]
         self.base = centred_rewards(batch.rewards, batch.group_ids)
         features = batch.traj.samples.flatten(1).cpu()  # a group's samples live on one process
         self.factor = (diversity_factor(nearest_neighbour_distance(features, batch.group_ids), batch.group_ids)
@@ -330,10 +331,6 @@ class GARDO(FlowGRPO):
         self.step_kl.append(stats["kl"])
         return loss, stats
 
-    @property
-    def first_term(self) -> int:
-        return 0 if self.epoch_batch is None else self.terms(self.epoch_batch)[0]
-
     def after_step(self) -> None:
         """The step's KL, averaged over its loss terms and the processes (the code's logged kl_loss),
         above the threshold: refresh at the epoch's end."""
@@ -344,6 +341,7 @@ class GARDO(FlowGRPO):
         self.step_kl = []
 
     def end_epoch(self, batch, epoch: int) -> dict[str, float]:
+        self.current = False
         if self.reference is None:
             return {}
         next_epoch = epoch + 1  # the code decides at the next epoch's start; no weight changes in between
