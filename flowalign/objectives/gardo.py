@@ -246,7 +246,6 @@ class GARDO(FlowGRPO):
     predictions = ("velocity",)
     options = (*FlowGRPO.options, GARDOOptions)
     per_reward_advantages = False
-    progress = ("clipfrac", "kl")
 
     def __init__(self, ctx):
         super().__init__(ctx)
