@@ -50,6 +50,7 @@ METHODS = {  # name → (recipe, overrides)
                                               "train.kl_beta=0", "train.awm_ema_beta=0"]),
     "dgpo": ("configs/shapes_dgpo.yaml", []),
     "grpo_guard": ("configs/shapes_grpo_guard.yaml", []),
+    "gardo": ("configs/shapes_gardo.yaml", []),
     "ddpo": ("configs/shapes_ddpo.yaml", []),  # on shapes-sd15 (UNet, ε-prediction): a different base model
 }
 DEMO_MODEL = "shapes-sd3"  # the model of every recipe but DDPO's

@@ -13,6 +13,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RECIPES = sorted(CONFIGS.glob("*.yaml"))
 HUB_IDS = {"sd35m_flow_grpo_geneval.yaml": "stabilityai/stable-diffusion-3.5-medium",
            "sd35m_flow_grpo_ocr.yaml": "stabilityai/stable-diffusion-3.5-medium",
+           "sd35m_gardo_ocr.yaml": "stabilityai/stable-diffusion-3.5-medium",
            "sd35m_flow_grpo_pickscore.yaml": "stabilityai/stable-diffusion-3.5-medium",
            "flux_dev_dance_grpo_hps.yaml": "black-forest-labs/FLUX.1-dev",
            "wan21_t2v_flow_grpo_temporal.yaml": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
