@@ -49,8 +49,9 @@ class Node:
         return [self] if not self.children else [x for c in self.children for x in c.leaves()]
 
 
-def authors_advantages(rewards: list[float], branches: tuple[int, ...]) -> torch.Tensor:
-    """compute_node_rewards_from_leaves (mean over leaf descendants) and
+def authors_advantages(rewards: list[float], branches: tuple[int, ...], log_probs=None) -> torch.Tensor:
+    """compute_node_rewards_from_leaves (mean over leaf descendants, or with log_probs [L, S]
+    (use_prob_weighted) bottom-up softmax(children's log_prob)-weighted children's rewards) and
     compute_hierarchical_advantages_by_depth (per depth: (r − mean) / (std + 1e-8), 0 below 1e-6 or
     one node), then each transition takes its child's advantage: [L, S]."""
     root, current = Node(0), None
@@ -70,9 +71,19 @@ def authors_advantages(rewards: list[float], branches: tuple[int, ...]) -> torch
         node = stack.pop(0)
         by_depth.setdefault(node.depth, []).append(node)
         stack += node.children
+    if log_probs is not None:  # each edge's log-prob: its first leaf's entry at the edge's step
+        for depth in range(1, len(branches) + 1):
+            for node in by_depth[depth]:
+                node.log_prob = log_probs[current.index(node.leaves()[0]), depth - 1]
     for depth in reversed(range(len(branches))):
         for node in by_depth[depth]:
-            node.reward = torch.stack([x.reward for x in node.leaves()]).mean()
+            if log_probs is None:
+                node.reward = torch.stack([x.reward for x in node.leaves()]).mean()
+            elif len(node.children) == 1:
+                node.reward = node.children[0].reward
+            else:
+                w = torch.softmax(1.0 * torch.stack([c.log_prob for c in node.children]), dim=0)
+                node.reward = torch.sum(w * torch.stack([c.reward for c in node.children]))
     advantage = {}
     for nodes in by_depth.values():
         if len(nodes) <= 1:
@@ -90,14 +101,23 @@ def authors_advantages(rewards: list[float], branches: tuple[int, ...]) -> torch
     return out.clamp(-5.0, 5.0)
 
 
+@pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("branches", [(2, 1, 2, 2, 1, 1), (3, 1, 2, 1), (1, 2, 1, 2, 1)])
-def test_advantages_equal_the_authors_tree_algorithm(branches):
+def test_advantages_equal_the_authors_tree_algorithm(branches, weighted):
     shape = TreeShape(branches)
-    rewards = torch.rand(3, shape.leaves, generator=torch.Generator().manual_seed(len(branches)))
+    g = torch.Generator().manual_seed(len(branches))
+    rewards = torch.rand(3, shape.leaves, generator=g)
     rewards[2, : shape.leaves // 2] = 0.25  # some nodes tie
-    ours = tree_advantages(rewards, shape, clip=5.0)
+    log_probs = None
+    if weighted:  # per node, like a rollout's: every leaf below an edge carries its log-prob
+        per_node = [torch.randn(3, shape.nodes_at(i + 1), generator=g) for i in range(len(branches))]
+        log_probs = torch.stack([shape.to_leaves(per_node[i], i + 1) for i in range(len(branches))], dim=2)
+    ours = tree_advantages(rewards, shape, clip=5.0, log_probs=log_probs)
     for t in range(3):
-        torch.testing.assert_close(ours[t], authors_advantages(rewards[t].tolist(), branches), rtol=0, atol=1e-5)
+        theirs = authors_advantages(rewards[t].tolist(), branches, None if log_probs is None else log_probs[t])
+        torch.testing.assert_close(ours[t], theirs, rtol=0, atol=1e-5)
+    if weighted and branches != (1, 2, 1, 2, 1):  # there, two nodes a depth: ±1/√2 whatever their rewards
+        assert not torch.allclose(ours, tree_advantages(rewards, shape, clip=5.0))  # the weighting matters
 
 
 def _epoch(tmp_path, tiny_sd3_dir, *extra):
@@ -151,6 +171,7 @@ def test_a_gradient_step_raises_good_edges_over_bad_ones(tiny_sd3_dir, tmp_path)
                                           ("train.branch_split_points=[0,3]", "train.branch_split_points"),
                                           ("sampling.shared_group_noise=false", "sampling.shared_group_noise"),
                                           ("train.keep_extremes=1", "train.keep_extremes"),
+                                          ("train.branch_node_reward=max", "train.branch_node_reward"),
                                           ("train.branch_depth_pruning=[1,2,3]", "train.branch_depth_pruning")])
 def test_wrong_settings_fail_before_the_model_loads(tmp_path, override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -158,7 +179,8 @@ def test_wrong_settings_fail_before_the_model_loads(tmp_path, override, key):
 
 
 def test_branch_grpo_trains_end_to_end_with_depth_pruning(tiny_sd3_dir, tmp_path):
-    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, *BRANCH, "train.branch_depth_pruning=[3]"))
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, *BRANCH, "train.branch_depth_pruning=[3]",
+                                  "train.branch_node_reward=prob_weighted"))
     start = [p.detach().clone() for p in trainer.params]
     trainer.train()
     assert len(trainer.history) == 2 and all(h["train/grad_norm"] > 0 for h in trainer.history)

@@ -47,8 +47,10 @@ Where flowalign differs from the code, and why:
   the mean over its edges. The code's step gradient is 1/E_tree times a mean over 12 transitions;
   under AdamW a constant gradient scale cancels (up to its ε), so what differs is which edges share
   an optimizer step.
-* not implemented: ``--tree_prob_weighted`` (a node's reward as the softmax(log p)-weighted mean of its
-  children's; off in the script), width pruning (``--width_pruning_mode`` 1/2; 0 in the script), the
+* ``train.branch_node_reward: prob_weighted`` is ``--tree_prob_weighted`` (off in the script): a node's
+  reward is Σ_c softmax_c(log p_c)·r(c) over its children c at a split (temperature 1, the code's α),
+  log p_c the edge's log-prob at sampling (mean over elements).
+* not implemented: width pruning (``--width_pruning_mode`` 1/2; 0 in the script), the
   sliding depth-pruning window (``--depth_pruning_slide``: it slides an empty list in the script) and
   ``--mix_ode_sde_tree`` (off). ``--use_group`` (leaf advantages only) is not the script's mode.
 * a tree with a dropped (NaN) reward does not train (the code has no dropped rewards).
@@ -68,17 +70,40 @@ from flowalign.samplers.tree import TreeShape
 
 STD_FLOOR = 1e-6  # a depth whose node rewards spread less than this gets advantage 0 (the code's check)
 STD_EPS = 1e-8  # added to the std in the division (the code's)
+NODE_REWARDS = ("mean", "prob_weighted")
 
 
-def tree_advantages(rewards: torch.Tensor, shape: TreeShape, clip: float) -> torch.Tensor:
+def node_rewards(rewards: torch.Tensor, shape: TreeShape, log_probs: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Each depth's node rewards [T, N_d], d = 0..S, from the leaves' rewards [T, L]: the mean over
+    the leaves below (``log_probs`` None), or (``--tree_prob_weighted``, log_probs [T, L, S] of each
+    leaf's edges) bottom-up, a node's reward the softmax(log p of its children's edges)-weighted sum of
+    its children's (one child: its reward)."""
+    if log_probs is None:
+        return [shape.node_means(rewards.float(), d) for d in range(shape.num_steps + 1)]
+    levels = [rewards.float()]
+    for i in reversed(range(shape.num_steps)):
+        k, children = shape.branches[i], levels[0]  # children: [T, N_{i+1}]
+        if k == 1:
+            levels.insert(0, children)
+            continue
+        owner = torch.arange(0, shape.leaves, shape.leaves_below(i + 1), device=log_probs.device)
+        weight = torch.softmax(log_probs[:, owner, i].float().reshape(len(children), -1, k), dim=-1)
+        levels.insert(0, (weight * children.reshape(len(children), -1, k)).sum(-1))
+    return levels
+
+
+def tree_advantages(rewards: torch.Tensor, shape: TreeShape, clip: float,
+                    log_probs: torch.Tensor | None = None) -> torch.Tensor:
     """Per-edge advantages of T trees: rewards [T, L] of the leaves (depth-first) → [T, L, S], entry
-    [t, ℓ, i] the advantage of step i's edge into leaf ℓ's node at depth i + 1 (module docstring)."""
+    [t, ℓ, i] the advantage of step i's edge into leaf ℓ's node at depth i + 1 (module docstring;
+    ``log_probs`` [T, L, S]: node rewards weighted by the children's edge probabilities, ``node_rewards``)."""
     out = torch.zeros(*rewards.shape, shape.num_steps, dtype=torch.float32, device=rewards.device)
+    levels = node_rewards(rewards, shape, log_probs)
     for i in range(shape.num_steps):
         depth = i + 1
         if shape.nodes_at(depth) < 2:
             continue
-        node = shape.node_means(rewards.float(), depth)  # [T, N_d]
+        node = levels[depth]  # [T, N_d]
         std = node.std(dim=1, keepdim=True)
         adv = torch.where(std < STD_FLOOR, torch.zeros_like(node), (node - node.mean(1, keepdim=True)) / (std + STD_EPS))
         out[:, :, i] = shape.to_leaves(adv, depth)
@@ -98,6 +123,9 @@ class BranchGRPOOptions:
     branch_split_noise_scale: float = 4.0
     # tree depths (1 = the first step's children) whose edges do not train (--depth_pruning); [] = none
     branch_depth_pruning: list[int] = field(default_factory=list)
+    # a node's reward: mean (of the leaves below; the script's) | prob_weighted (--tree_prob_weighted: the
+    # softmax of its children's edge log-probs weighs their rewards)
+    branch_node_reward: str = "mean"
 
 
 @register
@@ -145,6 +173,8 @@ class BranchGRPO(FlowGRPO):
                   f"must be > 0, got {t.branch_split_noise_scale}"),
                  ("train.branch_depth_pruning", all(1 <= d <= s.num_steps for d in t.branch_depth_pruning),
                   f"must list depths in [1, {s.num_steps}], got {list(t.branch_depth_pruning)}"),
+                 ("train.branch_node_reward", t.branch_node_reward in NODE_REWARDS,
+                  f"must be one of {', '.join(NODE_REWARDS)}, got {t.branch_node_reward!r}"),
                  ("train.keep_extremes", t.keep_extremes == 0,
                   "must be 0 for branch_grpo: every leaf of a tree feeds its nodes' rewards")]
         if all(ok for _, ok, _ in rules):
@@ -180,7 +210,10 @@ class BranchGRPO(FlowGRPO):
             raise RuntimeError("a branch_grpo minibatch must hold whole trees, leaves in order")
         rewards = mb.rewards.reshape(trees, leaves)
         whole = (mb.valid.reshape(trees, leaves).all(1) & torch.isfinite(rewards).all(1)).repeat_interleave(leaves)
-        adv = tree_advantages(torch.nan_to_num(rewards), self.shape, self.config.train.advantage_clip)
+        log_probs = None
+        if self.config.train.branch_node_reward == "prob_weighted":
+            log_probs = mb.traj.log_probs.reshape(trees, leaves, -1)
+        adv = tree_advantages(torch.nan_to_num(rewards), self.shape, self.config.train.advantage_clip, log_probs)
         keep = torch.ones(self.shape.num_steps, dtype=torch.bool, device=whole.device)
         keep[[d - 1 for d in self.config.train.branch_depth_pruning]] = False
         trained = mb.traj.trained & whole[:, None].to(mb.traj.trained.device) & keep.to(mb.traj.trained.device)
