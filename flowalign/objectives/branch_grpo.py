@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flowalign.domains import Annotated, above, at_least
 from flowalign.objectives.base import Minibatch, register, tree_rules
 from flowalign.objectives.flow_grpo import FlowGRPO, flow_grpo_loss
 from flowalign.samplers.steps import plan_steps
@@ -116,13 +117,13 @@ class BranchGRPOOptions:
 
     # steps at which every node branches (--tree_split_points; < sampling.num_steps − 1, the last step being
     # deterministic); train.group_size must be branch_factor ** len(branch_split_points)
-    branch_split_points: list[int] = field(default_factory=lambda: [0, 3, 6, 9])
-    branch_factor: int = 2  # children per node at a split step (the code's fixed 2)
+    branch_split_points: Annotated[list[int], at_least(0)] = field(default_factory=lambda: [0, 3, 6, 9])
+    branch_factor: Annotated[int, at_least(2)] = 2  # children per node at a split step (the code's fixed 2)
     # the sampling noise of a split step in units of the step's std (--tree_split_noise_scale; the
     # authors' script sets 4.0); log-probs stay under the step's own std, as in the code
-    branch_split_noise_scale: float = 4.0
+    branch_split_noise_scale: Annotated[float, above(0)] = 4.0
     # tree depths (1 = the first step's children) whose edges do not train (--depth_pruning); [] = none
-    branch_depth_pruning: list[int] = field(default_factory=list)
+    branch_depth_pruning: Annotated[list[int], at_least(1)] = field(default_factory=list)
     # a node's reward: mean (of the leaves below; the script's) | prob_weighted (--tree_prob_weighted: the
     # softmax of its children's edge log-probs weighs their rewards)
     branch_node_reward: str = "mean"
