@@ -6,6 +6,8 @@ of ``flowalign.rollout`` with the step plan of ``sampling`` (stochastic steps wi
 η > 0; η = 0 is the ODE); ``"unmasking"`` runs masked discrete diffusion
 (``pipelines.unmasking``: the plan and the categorical draws from the shard's noise
 stream); ``"offline"`` draws pre-generated groups (``flowalign.offline``) and samples nothing.
+An objective that asks for a tree (its ``tree_shape``) gets each prompt group of an ``"sde"`` /
+``"ode"`` epoch as one tree rollout sharing prefixes (``flowalign.samplers.tree``).
 Scoring is written once: one worker thread scores chunk k (a remote call, a CPU verifier) while
 chunk k + 1 samples. ``flowalign generate-groups`` uses this sampler too.
 """
@@ -19,8 +21,9 @@ import torch
 
 from flowalign.advantages import combine_rewards
 from flowalign.config import RunConfig
-from flowalign.rollout import Trajectory, group_noise, rollout
+from flowalign.rollout import Trajectory, group_noise, rollout, tree_rollout
 from flowalign.samplers.steps import StepPlan, plan_steps, sliding_window_start
+from flowalign.samplers.tree import TreeShape
 from pipelines.base import decode_samples, encode_records
 from pipelines.unmasking import MaskedTrajectory
 from reward_models.base import reward_output
@@ -96,7 +99,10 @@ class EpochSampler:
 
             self.offline = load_groups(self.config.data.offline_groups, self.config.train.group_size)
 
-    def sample(self, epoch: int, kind: str) -> EpochBatch:
+    def sample(self, epoch: int, kind: str, tree: TreeShape | None = None) -> EpochBatch:
+        """One epoch of ``kind`` rollouts; ``tree`` (an objective's ``tree_shape``): each prompt group
+        is one tree of that shape sampled from the group's shared initial noise (its leaves are the
+        group; ``flowalign.rollout.tree_rollout``)."""
         groups = self.config.train.groups_per_epoch // len(self.dist.shards)
         if kind == "unmasking":
             return self._epoch(groups, lambda cond, noise, sl, streams: masked_rollout(
@@ -115,6 +121,12 @@ class EpochSampler:
                           window_range=None if s.window_range is None else tuple(s.window_range))
 
         def flow(cond, noise, sl, streams):
+            if tree is not None:  # a rollout batch holds whole groups, whose rows share one initial noise
+                if self.noise_scale is not None:
+                    raise ValueError("a tree rollout has no per-element exploration std (EXPLORENET)")
+                return tree_rollout(self.adapter, cond[sl], noise[sl][::t.group_size], schedule,
+                                    StepPlan(plan.noise_levels, plan.trained[sl]), tree, guidance_scale=s.guidance_scale,
+                                    generator=streams["noise"], sde=s.sde, reduction=s.log_prob_reduction)
             scale = self.noise_scale(cond[sl]) if self.noise_scale is not None else None
             return rollout(self.adapter, cond[sl], noise[sl], schedule, StepPlan(plan.noise_levels, plan.trained[sl]),
                            guidance_scale=s.guidance_scale, generator=streams["noise"], sde=s.sde,

@@ -14,6 +14,7 @@ import torch
 from flowalign.samplers.ddim import ddim_step
 from flowalign.samplers.flow_sde import FLOW_SDE_STEPS, StepOutput, ode_step
 from flowalign.samplers.steps import StepPlan
+from flowalign.samplers.tree import TreeShape
 from pipelines.base import Conditioning, Schedule
 
 
@@ -77,6 +78,14 @@ def transition(adapter, x, step: int, schedule: Schedule, eta, cond, guidance_sc
     of ``FLOW_SDE_STEPS`` (flow_grpo | cps | dance_grpo), or the Euler step at η = 0.
     ``std_scale`` [B, ...]: a per-element multiplier of the SDE std (EXPLORENET; flow SDEs only)."""
     out = adapter.predict(x, schedule.timesteps[step], cond, guidance_scale, model=model)
+    return step_from_prediction(adapter, out, x, step, schedule, eta, sde=sde, noise=noise, prev_sample=prev_sample,
+                                reduction=reduction, std_scale=std_scale)
+
+
+def step_from_prediction(adapter, out, x, step: int, schedule: Schedule, eta, *, sde: str = "flow_grpo", noise=None,
+                         prev_sample=None, reduction="mean", std_scale=None) -> StepOutput:
+    """``transition`` given the model's output ``out`` [B, ...] at x [B, ...] (a tree rollout predicts
+    once per node and steps each of its children from the same output)."""
     if adapter.prediction == "epsilon":
         if std_scale is not None:
             raise ValueError("a per-element exploration std is defined for the flow SDEs, not for DDIM")
@@ -126,6 +135,60 @@ def rollout(adapter, cond: Conditioning, noise: torch.Tensor, schedule: Schedule
                       plan.noise_levels, schedule.sigmas, schedule.timesteps, cond, schedule.alphas_cumprod,
                       schedule.alphas_cumprod_prev, torch.stack(scales, dim=1) if scales else None,
                       torch.stack(draws, dim=1) if draws else None)
+
+
+@torch.no_grad()
+def tree_rollout(adapter, cond: Conditioning, roots: torch.Tensor, schedule: Schedule, plan: StepPlan,
+                 shape: TreeShape, *, guidance_scale: float = 1.0, generator: torch.Generator | None = None,
+                 sde: str = "flow_grpo", reduction: str = "mean") -> Trajectory:
+    """Sample one tree of ``shape`` (``flowalign.samplers.tree``) from each root noise of ``roots``
+    [R, ...]: the model predicts once per node, and a step that branches into k children steps each
+    of them from that one prediction with its own noise draw (× ``shape.split_noise_scale``; the
+    log-prob is under the step's std, as rescoring computes it). ``cond``: [R·L] the leaves'
+    conditioning, tree by tree (a tree's leaves share its prompt); ``plan.trained`` [R·L, S].
+
+    Returns the leaves' Trajectory [R·L, S + 1, ...], tree-major and depth-first within a tree:
+    leaves sharing a prefix carry the same latents and log-probs there, and ``trained`` is the plan's
+    restricted to each edge's owner (``TreeShape.edge_owner``: every edge trains once). Step noise is
+    one [N_{i+1}, ...] draw per stochastic step over the depth-(i + 1) nodes, children of a node
+    consecutive: with every branch 1 this is ``rollout`` with the same generator, to the last digit."""
+    steps, leaves = schedule.num_steps, shape.leaves
+    if shape.num_steps != steps or len(plan.noise_levels) != steps:
+        raise ValueError(f"tree shape has {shape.num_steps} steps, plan {len(plan.noise_levels)}, schedule {steps}")
+    if len(cond) != len(roots) * leaves:
+        raise ValueError(f"{len(roots)} roots of {leaves} leaves need {len(roots) * leaves} conditionings, got {len(cond)}")
+    for i in shape.split_steps:
+        if not plan.noise_levels[i] > 0:
+            raise ValueError(f"step {i} branches but is deterministic (η = 0): its children would be identical")
+    if adapter.prediction == "epsilon" and schedule.alphas_cumprod is None:
+        raise ValueError("an ε-prediction rollout needs a schedule with alphas_cumprod (the adapter's)")
+    x = roots.float()
+    first_leaf = torch.arange(len(roots), device=x.device) * leaves  # each node's first leaf: its prompt's row
+    nodes, node_log_probs = [x], []
+    for i in range(steps):
+        k, eta = shape.branches[i], float(plan.noise_levels[i])
+        out = adapter.predict(x, schedule.timesteps[i], cond[first_leaf], guidance_scale)
+        x, out = x.repeat_interleave(k, dim=0), out.repeat_interleave(k, dim=0)
+        eps = None
+        if eta > 0:
+            eps = torch.randn(x.shape, generator=generator, device=generator.device if generator else "cpu").to(x.device)
+            eps = eps * shape.split_noise_scale if k > 1 else eps
+        step = step_from_prediction(adapter, out, x, i, schedule, eta, sde=sde, noise=eps, reduction=reduction)
+        first_leaf = (first_leaf[:, None] + torch.arange(k, device=x.device) * shape.leaves_below(i + 1)).flatten()
+        x = step.prev_sample
+        nodes.append(x)
+        node_log_probs.append(step.log_prob.cpu())
+    trees = torch.arange(len(roots))[:, None]
+    leaf = torch.arange(leaves)[None, :]
+
+    def at_depth(d: int) -> torch.Tensor:  # [R·L]: each leaf's depth-d node, in that depth's node order
+        return (trees * shape.nodes_at(d) + leaf // shape.leaves_below(d)).flatten()
+
+    latents = torch.stack([nodes[d][at_depth(d).to(x.device)] for d in range(steps + 1)], dim=1)
+    log_probs = torch.stack([node_log_probs[i][at_depth(i + 1)] for i in range(steps)], dim=1)
+    trained = plan.trained.to(x.device) & shape.edge_owner().repeat(len(roots), 1).to(x.device)
+    return Trajectory(latents, log_probs.to(x.device), trained, plan.noise_levels, schedule.sigmas, schedule.timesteps,
+                      cond, schedule.alphas_cumprod, schedule.alphas_cumprod_prev)
 
 
 def group_noise(adapter, groups: int, group_size: int, generator: torch.Generator, shared: bool) -> torch.Tensor:

@@ -235,7 +235,7 @@ class Trainer:
 
     def sample_epoch(self) -> EpochBatch:
         """This process's samples of the epoch, scored (flowalign/epoch_sampler.py)."""
-        return self.sampler.sample(self.epoch, self.objective.rollout)
+        return self.sampler.sample(self.epoch, self.objective.rollout, self.objective.tree_shape(self.config))
 
     def compute_advantages(self, batch: EpochBatch) -> tuple[torch.Tensor, dict]:
         """This process's advantages [B] or [B, C] (NaN: does not train) and the reward statistics."""

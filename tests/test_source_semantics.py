@@ -233,12 +233,15 @@ SOURCES = {
     "sd15_ddpo_aesthetic": "ddpo-pytorch",
     "sd15_ddpo_compressibility": "ddpo-pytorch",
     "flux_dev_dance_grpo_hps": "DanceGRPO",
+    "flux_dev_branch_grpo_hps": "BranchGRPO",
 }
 SOURCE_SEMANTICS = {  # what the source does where our options name a choice
     "flow_grpo/train_sd3.py": {"train.zero_advantage": "drop", "train.detach_uncond": True},
     "flow_grpo/later": {"train.zero_advantage": "drop", "train.detach_uncond": False},
     "ddpo-pytorch": {"train.zero_advantage": "keep", "train.detach_uncond": False},
     "DanceGRPO": {"train.zero_advantage": "keep", "sampling.sde": "dance_grpo"},  # flux_step(sde_solver=True)
+    # flux_step_with_split(sde_solver=True); --init_same_noise; the script's node rewards (no --tree_prob_weighted)
+    "BranchGRPO": {"sampling.sde": "dance_grpo", "sampling.shared_group_noise": True, "train.branch_node_reward": "mean"},
 }
 # annotated keys whose value is the source's converted on purpose; each recipe's comment says how
 CONVERTED = {

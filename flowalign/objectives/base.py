@@ -8,6 +8,10 @@ asks the objective, by this protocol only, for what differs between methods::
     rollout             what the epoch sampler must produce: "sde" (stochastic steps with
                         log-probs), "ode" (final samples, any solver), "unmasking" (masked
                         discrete diffusion), "offline" (pre-generated groups; nothing sampled)
+    tree_shape(config)  None, or the ``TreeShape`` (flowalign/samplers/tree.py) each prompt group is
+                        sampled as: one tree from the group's shared noise, branching at chosen
+                        steps, sharing prefixes, its leaves the group (``tree_rules``: the settings
+                        a tree needs)
     predictions         the adapter predictions it trains ("velocity", "epsilon", "logits")
     options             dataclasses of its own ``train.*`` options, joined into ``TrainConfig``
                         under the same keys and valid only when this method is selected
@@ -59,6 +63,7 @@ if TYPE_CHECKING:  # the config is built from this registry: imported for the an
     from flowalign.ema import EMA
     from flowalign.epoch_sampler import EpochBatch
     from flowalign.rollout import Trajectory
+    from flowalign.samplers.tree import TreeShape
     from pipelines.base import Adapter, Conditioning
     from pipelines.unmasking import MaskedTrajectory
 
@@ -103,6 +108,30 @@ def whole_groups_rule(config: RunConfig, why: str) -> Rule:
     t = config.train
     return ("train.train_batch_size", t.train_batch_size % t.group_size == 0,
             f"must be a multiple of train.group_size for {why} (a minibatch holds whole groups)")
+
+
+def tree_rules(config: RunConfig, shape: TreeShape, why: str) -> list[Rule]:
+    """What sampling each prompt group as one tree of ``shape`` needs (``why``: which method asks):
+    the group is the tree's leaves, its rows share the root noise, rollout and training batches hold
+    whole trees, and every branching step is stochastic."""
+    t, s = config.train, config.sampling
+    from flowalign.samplers.steps import plan_steps
+
+    fixed = s.step_mode != "window" or s.window_start is not None or s.window_shift_every > 0
+    plan = plan_steps(s.num_steps, 1, s.eta, s.step_mode, fraction=s.fraction, window_size=s.window_size,
+                      window_start=s.window_start if s.window_start is not None else 0) if fixed else None
+    return [("train.group_size", t.group_size == shape.leaves,
+             f"must be the tree's {shape.leaves} leaves for {why} (branches per step {list(shape.branches)})"),
+            ("sampling.shared_group_noise", s.shared_group_noise,
+             f"must be true for {why}: a group is one tree, its rows share the root's noise"),
+            ("train.sample_batch_size", t.sample_batch_size % t.group_size == 0,
+             f"must be a multiple of train.group_size for {why} (a rollout batch holds whole trees)"),
+            whole_groups_rule(config, why),
+            ("sampling.step_mode", s.step_mode != "window" or s.window_start is not None,
+             f"a random window (window_start null) is not allowed for {why}: the branching steps must be stochastic"),
+            ("sampling.eta", plan is None or all(float(plan.noise_levels[i]) > 0 for i in shape.split_steps),
+             f"must be > 0 at every branching step {list(shape.split_steps)} for {why} (the last step is always "
+             "deterministic; under step_mode window the branching steps must lie in the window)")]
 
 
 @dataclass
@@ -208,6 +237,9 @@ class Objective(Protocol):
     @classmethod
     def sampler_text(cls, config: RunConfig, prediction: str) -> str: ...
 
+    @classmethod
+    def tree_shape(cls, config: RunConfig) -> TreeShape | None: ...
+
     def terms(self, batch: EpochBatch) -> list[int]: ...
 
     def sampling_weights(self) -> contextlib.AbstractContextManager: ...
@@ -269,6 +301,11 @@ class BaseObjective:
         else:
             step = f"{s.sde} SDE steps with log-probs, η={s.eta:g}"
         return f"{step}, {s.num_steps} steps, CFG {s.guidance_scale:g}"
+
+    @classmethod
+    def tree_shape(cls, config: RunConfig) -> TreeShape | None:
+        """None: each group's rows are independent rollouts; a ``TreeShape``: one tree per group."""
+        return None
 
     def sampling_weights(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
