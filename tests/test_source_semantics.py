@@ -220,6 +220,7 @@ SOURCES = {
     "sd35m_flow_grpo_geneval": "flow_grpo/train_sd3.py",
     "sd35m_flow_grpo_ocr": "flow_grpo/train_sd3.py",
     "sd35m_flow_grpo_pickscore": "flow_grpo/train_sd3.py",
+    "sd35m_gardo_ocr": "flow_grpo/train_sd3.py",  # scripts/train_sd3_gardo.py: train_sd3.py's loop with GARDO's terms
     "wan21_t2v_flow_grpo_temporal": "flow_grpo/later",
     "wan21_i2v_flow_grpo_temporal": "flow_grpo/later",
     "wan22_ti2v_i2v_flow_grpo_temporal": "flow_grpo/later",
