@@ -35,10 +35,12 @@ Read from Tencent-Hunyuan/UniRL at commit 1a7b501e8fe8517b432a130220d2ff462f9b5a
 * s: UniRL's ``_compute_sigma_t`` (``add_kl_coefficient: true``, the recipe's) rebuilds
   η·sqrt(σ / (1 − min(σ, 0.99)))·sqrt(σ − σ'), its flow SDE's transition std (they differ only for σ in
   (0.99, 1), which its schedules do not have). We take the std of the transition itself
-  (``StepOutput.std``): for the flow SDE the same number (at σ = 1 with our sampler's denominator,
-  Flow-GRPO's 1 − σ_1), and for CPS, DanceGRPO's SDE and a per-element exploration std (EXPLORENET) still
-  the exact KL of the kernel that drew x', where UniRL's formula would not be. ``add_kl_coefficient:
-  false`` (s = 1) is not offered.
+  (``StepOutput.std``): for the flow SDE the same formula (at σ = 1 each takes its own sampler's
+  denominator: UniRL's 1 − 0.99, ours Flow-GRPO's 1 − σ_1), and for CPS, DanceGRPO's SDE and a
+  per-element exploration std (EXPLORENET) still the exact KL of the kernel that drew x', where UniRL's
+  formula would not be. ``add_kl_coefficient: false`` (s = 1) is not offered.
+* A dropped sample's ratio is taken at log r = 0 inside the loss: one whose ratio overflowed adds 0 to
+  the loss and its gradient. UniRL's ``torch.where`` keeps only the loss finite (its gradient is inf·0).
 * μ_old: UniRL replays the pre-update weights once per rollout batch (``prepare_segment``, no grad) and
   keeps the means, frozen across its ``num_updates_per_batch`` optimizer steps. Here the kept rollout
   policy of GRPO-Guard (the weights that sampled the epoch, ``GRPOGuard``) recomputes μ_old for each
@@ -108,9 +110,7 @@ def flow_dppo_loss(
     ratio = torch.exp(log_ratio)
     divergence = step_kl(mean.detach(), old_mean.detach(), std)
     drop, high, keep = kl_adv_mask(divergence, ratio.detach(), advantages, kl_threshold)
-    # where, not a product with the mask, and the ratio of a dropped sample taken at log r = 0: one whose
-    # ratio overflowed adds 0 to the loss and to the gradient, not inf·0 = NaN (UniRL's where keeps the loss
-    # finite; its gradient would still be NaN)
+    # a dropped sample's ratio at log r = 0: one that overflowed adds 0, not inf·0 = NaN, to loss and gradient
     kept_ratio = torch.exp(torch.where(keep, log_ratio, torch.zeros_like(log_ratio)))
     objective = torch.where(keep, -advantages * kept_ratio, torch.zeros_like(kept_ratio))
     policy_loss = weighted_mean(objective, w)
@@ -162,7 +162,7 @@ class FlowDPPO(GRPOGuard):
         keys = config.sources["keys"] if config.sources is not None else set()
         tau = config.train.kl_mask_threshold
         return super(GRPOGuard, cls).validate(config) + [  # Flow-GRPO's rules, not GRPO-Guard's SDE and step weight
-            ("train.kl_mask_threshold", tau >= 0, f"must be ≥ 0 (math.inf: no mask), got {tau}"),
+            ("train.kl_mask_threshold", tau >= 0, f"must be ≥ 0 (.inf: no mask), got {tau}"),
             ("train.clip_range", "train.clip_range" not in keys,
              "is not used by flow_dppo (the KL mask, train.kl_mask_threshold, replaces the ratio clip): remove it"),
         ]
