@@ -177,6 +177,20 @@ def test_off_policy_minibatches_are_masked_against_the_rollout_policy_and_resume
     assert [[h[k] for k in keys] for h in resumed.history] == [[h[k] for k in keys] for h in full.history]
 
 
+def test_with_an_inactive_mask_a_run_is_flow_grpo_without_a_clip_through_the_trainer(tiny_sd3_dir, tmp_path):
+    """τ = ∞ against Flow-GRPO at a clip range no ratio reaches, off-policy minibatches included: the same
+    rollouts, losses, gradients and rewards, epoch by epoch."""
+    over = ("train.train_batch_size=4", "train.learning_rate=1e-2", "train.epochs=3")
+    dppo = Trainer(tiny_config(tiny_sd3_dir, tmp_path / "dppo", *DPPO, "train.kl_mask_threshold=.inf", *over))
+    dppo.train()
+    grpo = Trainer(tiny_config(tiny_sd3_dir, tmp_path / "grpo", "train.clip_range=1e9", *over))
+    grpo.train()
+    assert any(abs(h["train/ratio"] - 1) > 1e-6 for h in dppo.history)
+    assert all(h["train/masked_fraction"] == 0 for h in dppo.history)
+    for key in ("train/policy_loss", "train/ratio", "train/grad_norm", "reward/mean"):
+        assert [h[key] for h in dppo.history] == pytest.approx([h[key] for h in grpo.history], rel=1e-6, abs=1e-12)
+
+
 @pytest.mark.parametrize("override, key", [
     ("train.clip_range=0.2", "train.clip_range"),  # the mask replaces the clip: a set clip range is refused
     ("train.kl_mask_threshold=-1", "train.kl_mask_threshold"),

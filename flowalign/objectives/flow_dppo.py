@@ -60,6 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flowalign.domains import Annotated, at_least
 from flowalign.objectives.base import register, weighted_mean
 from flowalign.objectives.flow_grpo import FlowGRPO, gaussian_kl
 from flowalign.objectives.grpo_guard import GRPOGuard
@@ -142,7 +143,7 @@ class FlowDPPOOptions:
     # τ: a trained step whose mean-over-elements Gaussian KL to the rollout policy's step is at least this,
     # and that still pushes along its advantage, is dropped from the gradient (UniRL's kl_mask_threshold,
     # calibrated on the mean-reduced KL; .inf: never, the unclipped policy gradient)
-    kl_mask_threshold: float = 1e-5
+    kl_mask_threshold: Annotated[float, at_least(0, ".inf: no mask", finite=False)] = 1e-5
 
 
 @register
@@ -160,9 +161,7 @@ class FlowDPPO(GRPOGuard):
     @classmethod
     def validate(cls, config) -> list[tuple[str, bool, str]]:
         keys = config.sources["keys"] if config.sources is not None else set()
-        tau = config.train.kl_mask_threshold
         return super(GRPOGuard, cls).validate(config) + [  # Flow-GRPO's rules, not GRPO-Guard's SDE and step weight
-            ("train.kl_mask_threshold", tau >= 0, f"must be ≥ 0 (.inf: no mask), got {tau}"),
             ("train.clip_range", "train.clip_range" not in keys,
              "is not used by flow_dppo (the KL mask, train.kl_mask_threshold, replaces the ratio clip): remove it"),
         ]
