@@ -162,6 +162,7 @@ REFERENCE_TERMS = {  # every objective with a reference term, with the settings 
     "awm": ("method=awm", "sampling.eta=0", "train.kl_beta=0.1", "train.noise_draws=2"),
     "dgpo": ("method=dgpo", "sampling.eta=0", "train.noise_draws=2"),
     "gdro": ("method=gdro", "sampling.eta=0", "train.noise_draws=2"),
+    "flow_dppo": ("method=flow_dppo", "train.kl_beta=0.1"),
 }
 
 
