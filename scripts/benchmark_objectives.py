@@ -50,6 +50,7 @@ METHODS = {  # name → (recipe, overrides)
                                               "train.kl_beta=0", "train.awm_ema_beta=0"]),
     "dgpo": ("configs/shapes_dgpo.yaml", []),
     "grpo_guard": ("configs/shapes_grpo_guard.yaml", []),
+    "pref_grpo": ("configs/shapes_pref_grpo.yaml", []),  # flow_grpo's recipe on the verifier score's group win rate
     "ddpo": ("configs/shapes_ddpo.yaml", []),  # on shapes-sd15 (UNet, ε-prediction): a different base model
 }
 DEMO_MODEL = "shapes-sd3"  # the model of every recipe but DDPO's
