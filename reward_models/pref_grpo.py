@@ -13,6 +13,26 @@ runs of identical consecutive prompts. A sample with no valid opponent scores Na
 scores ``train.sample_batch_size`` samples per call: keep it a multiple of ``train.group_size``
 so that no group is split across calls.
 
+Against the authors' code (github CodeGoat24/Pref-GRPO: ``cal_win_rate`` and the ``use_group``
+advantages in fastvideo/train_flux_pref_grpo.py at 6c87cfe, the paper's; the same at 3e787f6 in
+fastvideo/rewards/unifiedreward_think.py and dispatcher.py), term by term:
+
+    pairs        every unordered pair i < j of a group once (itertools.combinations): no self-play
+    verdict      the named image wins 1; an answer naming neither image, or none, gives ½ each
+    win rate     w_i = Σ_{j≠i} P(i ≻ j) / (G − 1)          theirs rounded to 3 decimals, ours not
+    advantage    A_i = (w_i − mean w) / (std w + ε), clamped to ±5, within each prompt's group
+                 theirs: torch's unbiased std, ε = 1e-8; ours (flowalign/advantages.py): the
+                 population std, ε = 1e-4, so A_ours = sqrt(G / (G − 1))·A_theirs (1.07 at G = 8)
+    with CLIP    theirs A = 0.7·A_win + 1.4·A_clip (0.4, 0.6 and a batch renormalisation at
+                 3e787f6): ``train.per_reward_advantages`` (configs/flux_dev_pref_grpo_unifiedreward.yaml)
+
+The constant factor scales every loss term alike, which AdamW's normalised step all but cancels;
+the clamp cannot bind (|A| ≤ sqrt(G − 1) with the population std). An image without an opponent
+scores 0 in theirs, NaN (dropped) here. tests/test_pref_grpo.py checks each line on hand-computed
+groups. Hard verdicts make the win rates, and so the advantages, depend on the order of the
+judge's underlying scores only: invariant to any increasing transform of them (not so at
+temperature > 0 or for the pointwise group-normalised reward).
+
 Rewards registered here:
 ``pref_grpo``: any preference model, named as ``"package.module:Class"`` with its kwargs.
 ``pref_win_rate``: the Bradley–Terry preference of a scalar reward,

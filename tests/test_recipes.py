@@ -18,6 +18,7 @@ HUB_IDS = {"sd35m_flow_grpo_geneval.yaml": "stabilityai/stable-diffusion-3.5-med
            "sd35m_flow_dppo_pickscore.yaml": "stabilityai/stable-diffusion-3.5-medium",
            "flux_dev_dance_grpo_hps.yaml": "black-forest-labs/FLUX.1-dev",
            "flux_dev_branch_grpo_hps.yaml": "black-forest-labs/FLUX.1-dev",
+           "flux_dev_pref_grpo_unifiedreward.yaml": "black-forest-labs/FLUX.1-dev",
            "wan21_t2v_flow_grpo_temporal.yaml": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
            "sd15_ddpo_aesthetic.yaml": "stable-diffusion-v1-5/stable-diffusion-v1-5",
            "sd15_ddpo_compressibility.yaml": "stable-diffusion-v1-5/stable-diffusion-v1-5",
