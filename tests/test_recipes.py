@@ -14,6 +14,7 @@ RECIPES = sorted(CONFIGS.glob("*.yaml"))
 HUB_IDS = {"sd35m_flow_grpo_geneval.yaml": "stabilityai/stable-diffusion-3.5-medium",
            "sd35m_flow_grpo_ocr.yaml": "stabilityai/stable-diffusion-3.5-medium",
            "sd35m_flow_grpo_pickscore.yaml": "stabilityai/stable-diffusion-3.5-medium",
+           "sd35m_online_dpo_pickscore.yaml": "stabilityai/stable-diffusion-3.5-medium",
            "flux_dev_dance_grpo_hps.yaml": "black-forest-labs/FLUX.1-dev",
            "wan21_t2v_flow_grpo_temporal.yaml": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
            "sd15_ddpo_aesthetic.yaml": "stable-diffusion-v1-5/stable-diffusion-v1-5",
