@@ -49,6 +49,7 @@ METHODS = {  # name → (recipe, overrides)
     "awm_no_kl": ("configs/shapes_awm.yaml", ["train.awm_loss=mse", "train.awm_time_weighting=uniform",
                                               "train.kl_beta=0", "train.awm_ema_beta=0"]),
     "dgpo": ("configs/shapes_dgpo.yaml", []),
+    "online_dpo": ("configs/shapes_online_dpo.yaml", []),
     "grpo_guard": ("configs/shapes_grpo_guard.yaml", []),
     "gardo": ("configs/shapes_gardo.yaml", []),
     "branch_grpo": ("configs/shapes_branch_grpo.yaml", []),  # tree rollouts: 4 trees × 16 leaves per epoch

@@ -126,7 +126,7 @@ def test_an_option_name_declared_twice_fails_naming_both():
 
 def test_the_registered_options_do_not_collide():
     owners = option_owners(base.method_options())
-    assert set(owners["noise_draws"].split(", ")) == {"diffusion_nft", "gdro", "awm", "dgpo"}
+    assert set(owners["noise_draws"].split(", ")) == {"diffusion_nft", "gdro", "awm", "dgpo", "online_dpo"}
     assert owners["clip_range"] == "general" and owners["entropy_coef"] == "ddpo"
 
 
@@ -161,6 +161,7 @@ REFERENCE_TERMS = {  # every objective with a reference term, with the settings 
     "diffusion_nft": ("method=diffusion_nft", "sampling.eta=0", "train.kl_beta=0.1", "train.noise_draws=2"),
     "awm": ("method=awm", "sampling.eta=0", "train.kl_beta=0.1", "train.noise_draws=2"),
     "dgpo": ("method=dgpo", "sampling.eta=0", "train.noise_draws=2"),
+    "online_dpo": ("method=online_dpo", "sampling.eta=0", "train.noise_draws=2"),
     "gdro": ("method=gdro", "sampling.eta=0", "train.noise_draws=2"),
     "flow_dppo": ("method=flow_dppo", "train.kl_beta=0.1"),
 }
