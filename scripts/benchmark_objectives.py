@@ -52,6 +52,7 @@ METHODS = {  # name → (recipe, overrides)
     "grpo_guard": ("configs/shapes_grpo_guard.yaml", []),
     "gardo": ("configs/shapes_gardo.yaml", []),
     "branch_grpo": ("configs/shapes_branch_grpo.yaml", []),  # tree rollouts: 4 trees × 16 leaves per epoch
+    "crd": ("configs/shapes_crd.yaml", []),  # the authors' SD3.5 OCR settings (their CFG-4.5 teacher in the KL)
     "ddpo": ("configs/shapes_ddpo.yaml", []),  # on shapes-sd15 (UNet, ε-prediction): a different base model
 }
 DEMO_MODEL = "shapes-sd3"  # the model of every recipe but DDPO's
