@@ -55,6 +55,7 @@ METHODS = {  # name → (recipe, overrides)
     "branch_grpo": ("configs/shapes_branch_grpo.yaml", []),  # tree rollouts: 4 trees × 16 leaves per epoch
     "flow_dppo": ("configs/shapes_flow_dppo.yaml", []),
     "pref_grpo": ("configs/shapes_pref_grpo.yaml", []),  # flow_grpo's recipe on the verifier score's group win rate
+    "crd": ("configs/shapes_crd.yaml", []),  # the authors' SD3.5 OCR settings (their CFG-4.5 teacher in the KL)
     "ddpo": ("configs/shapes_ddpo.yaml", []),  # on shapes-sd15 (UNet, ε-prediction): a different base model
 }
 DEMO_MODEL = "shapes-sd3"  # the model of every recipe but DDPO's

@@ -126,7 +126,7 @@ def test_an_option_name_declared_twice_fails_naming_both():
 
 def test_the_registered_options_do_not_collide():
     owners = option_owners(base.method_options())
-    assert set(owners["noise_draws"].split(", ")) == {"diffusion_nft", "gdro", "awm", "dgpo", "online_dpo"}
+    assert set(owners["noise_draws"].split(", ")) == {"diffusion_nft", "gdro", "awm", "dgpo", "online_dpo", "crd"}
     assert owners["clip_range"] == "general" and owners["entropy_coef"] == "ddpo"
 
 

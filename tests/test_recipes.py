@@ -17,6 +17,7 @@ HUB_IDS = {"sd35m_flow_grpo_geneval.yaml": "stabilityai/stable-diffusion-3.5-med
            "sd35m_flow_grpo_pickscore.yaml": "stabilityai/stable-diffusion-3.5-medium",
            "sd35m_flow_dppo_pickscore.yaml": "stabilityai/stable-diffusion-3.5-medium",
            "sd35m_online_dpo_pickscore.yaml": "stabilityai/stable-diffusion-3.5-medium",
+           "sd35m_crd_ocr.yaml": "stabilityai/stable-diffusion-3.5-medium",
            "flux_dev_dance_grpo_hps.yaml": "black-forest-labs/FLUX.1-dev",
            "flux_dev_branch_grpo_hps.yaml": "black-forest-labs/FLUX.1-dev",
            "flux_dev_pref_grpo_unifiedreward.yaml": "black-forest-labs/FLUX.1-dev",

@@ -3,6 +3,7 @@ class that plugs it into the loop (``flowalign/objectives/base.py``). The regist
 
 from flowalign.objectives import awm  # noqa: F401
 from flowalign.objectives import branch_grpo  # noqa: F401
+from flowalign.objectives import crd  # noqa: F401
 from flowalign.objectives import dance_grpo  # noqa: F401
 from flowalign.objectives import dgpo  # noqa: F401
 from flowalign.objectives import diffusion_nft  # noqa: F401
