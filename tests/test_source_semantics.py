@@ -235,6 +235,7 @@ SOURCES = {
     "sd15_ddpo_compressibility": "ddpo-pytorch",
     "flux_dev_dance_grpo_hps": "DanceGRPO",
     "flux_dev_branch_grpo_hps": "BranchGRPO",
+    "sd35m_online_dpo_pickscore": "Flow-Factory",  # examples/dpo/lora/sd3_5/default.yaml
 }
 SOURCE_SEMANTICS = {  # what the source does where our options name a choice
     "flow_grpo/train_sd3.py": {"train.zero_advantage": "drop", "train.detach_uncond": True},
@@ -242,6 +243,7 @@ SOURCE_SEMANTICS = {  # what the source does where our options name a choice
     "ddpo-pytorch": {"train.zero_advantage": "keep", "train.detach_uncond": False},
     "DanceGRPO": {"train.zero_advantage": "keep", "sampling.sde": "dance_grpo"},  # flux_step(sde_solver=True)
     # flux_step_with_split(sde_solver=True); --init_same_noise; the script's node rewards (no --tree_prob_weighted)
+    "Flow-Factory": {},  # online DPO: ODE rollouts, no choice of these options applies
     "BranchGRPO": {"sampling.sde": "dance_grpo", "sampling.shared_group_noise": True, "train.branch_node_reward": "mean"},
 }
 # annotated keys whose value is the source's converted on purpose; each recipe's comment says how
