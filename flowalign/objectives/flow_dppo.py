@@ -62,7 +62,7 @@ import torch
 
 from flowalign.domains import Annotated, at_least
 from flowalign.objectives.base import register, weighted_mean
-from flowalign.objectives.flow_grpo import FlowGRPO, gaussian_kl
+from flowalign.objectives.flow_grpo import FlowGRPO, plus_gaussian_kl
 from flowalign.objectives.grpo_guard import GRPOGuard
 from flowalign.samplers.flow_sde import reduce_elements
 
@@ -115,13 +115,7 @@ def flow_dppo_loss(
     kept_ratio = torch.exp(torch.where(keep, log_ratio, torch.zeros_like(log_ratio)))
     objective = torch.where(keep, -advantages * kept_ratio, torch.zeros_like(kept_ratio))
     policy_loss = weighted_mean(objective, w)
-    loss = policy_loss
-    kl = torch.zeros((), device=log_prob.device)
-    if beta > 0:
-        if ref_mean is None:
-            raise ValueError("beta > 0 needs ref_mean")
-        kl = gaussian_kl(mean, ref_mean, std, w, reduction)
-        loss = loss + beta * kl
+    loss, kl = plus_gaussian_kl(policy_loss, beta, mean, ref_mean, std, w, reduction)
     with torch.no_grad():
         stats = {
             "policy_loss": policy_loss.detach(),

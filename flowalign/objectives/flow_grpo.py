@@ -63,6 +63,19 @@ def gaussian_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor, w
     return weighted_mean(reduce_elements((mean - ref_mean) ** 2 / (2 * std**2), reduction), weight)
 
 
+def plus_gaussian_kl(loss: torch.Tensor, beta: float, mean: torch.Tensor | None, ref_mean: torch.Tensor | None,
+                     std: torch.Tensor | None, weight: torch.Tensor,
+                     reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss + β·KL, KL) with KL = ``gaussian_kl`` over the samples of ``weight``; (loss, 0) when
+    β = 0 (mean, ref_mean and std needed when β > 0). The Gaussian-step twin of ``plus_velocity_kl``."""
+    if beta <= 0:
+        return loss, torch.zeros((), device=loss.device)
+    if mean is None or ref_mean is None or std is None:
+        raise ValueError("beta > 0 needs mean, ref_mean and std")
+    kl = gaussian_kl(mean, ref_mean, std, weight, reduction)
+    return loss + beta * kl, kl
+
+
 def flow_grpo_loss(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -96,13 +109,7 @@ def flow_grpo_loss(
             raise ValueError("advantages with one column per reward need advantage_weights")
         objective = objective @ advantage_weights.to(objective)
     policy_loss = weighted_mean(objective, weight)
-    loss = policy_loss
-    kl = torch.zeros((), device=log_prob.device)
-    if beta > 0:
-        if mean is None or ref_mean is None or std is None:
-            raise ValueError("beta > 0 needs mean, ref_mean and std")
-        kl = gaussian_kl(mean, ref_mean, std, weight, reduction)
-        loss = loss + beta * kl
+    loss, kl = plus_gaussian_kl(policy_loss, beta, mean, ref_mean, std, weight, reduction)
     with torch.no_grad():
         stats = {
             "policy_loss": policy_loss.detach(),

@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 import torch
 from flowalign.domains import Annotated, above, at_least, between
 
-from flowalign.objectives.flow_grpo import flow_grpo_loss, gaussian_kl
+from flowalign.objectives.flow_grpo import flow_grpo_loss, plus_gaussian_kl
 
 RISK_WINDOW = 20  # epochs of mean uncertainty the controller compares against (the code's buffer)
 
@@ -198,10 +198,9 @@ def gardo_loss(
     w = torch.ones_like(log_prob) if weight is None else weight.float()
     gated = torch.zeros_like(w) if gate is None else w * gate.to(w)
     if beta > 0:
-        if gate is None or mean is None or ref_mean is None or std is None:
-            raise ValueError("beta > 0 needs gate, mean, ref_mean and std")
-        kl = gaussian_kl(mean, ref_mean, std, gated, reduction)
-        loss = loss + beta * kl
+        if gate is None:
+            raise ValueError("beta > 0 needs gate")
+        loss, kl = plus_gaussian_kl(loss, beta, mean, ref_mean, std, gated, reduction)
         stats["kl"] = kl.detach()
     stats["gated"] = gated.sum() / w.sum().clamp(min=1.0)
     return loss, stats

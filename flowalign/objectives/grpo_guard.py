@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import torch
 
-from flowalign.objectives.flow_grpo import flow_grpo_loss, gaussian_kl
+from flowalign.objectives.flow_grpo import flow_grpo_loss, plus_gaussian_kl
 from flowalign.objectives.base import weighted_mean
 from flowalign.samplers.flow_sde import reduce_elements
 
@@ -99,10 +99,7 @@ def grpo_guard_loss(
     loss = step_weight * policy
     w = torch.ones_like(log_ratio) if weight is None else weight.float()
     if beta > 0:
-        if ref_mean is None:
-            raise ValueError("beta > 0 needs ref_mean")
-        kl = gaussian_kl(mean, ref_mean, std, w, reduction)
-        loss = loss + beta * kl
+        loss, kl = plus_gaussian_kl(loss, beta, mean, ref_mean, std, w, reduction)
         stats["kl"] = kl.detach()
     with torch.no_grad():
         stats["policy_loss"] = step_weight * stats["policy_loss"]
