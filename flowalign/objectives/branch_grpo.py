@@ -135,12 +135,9 @@ class BranchGRPO(FlowGRPO):
     edge once. Rescoring is Flow-GRPO's (``FlowGRPO.transition``); the trainer's group advantages are
     not used (the tree's are computed from the minibatch's rewards, which holds whole trees)."""
 
-    name = "branch_grpo"
-    rollout = "sde"
-    predictions = ("velocity",)
+    name = "branch_grpo"  # rollout, predictions and progress: Flow-GRPO's
     options = (BranchGRPOOptions,)
     per_reward_advantages = False
-    progress = ("clipfrac",)
 
     def __init__(self, ctx):
         super().__init__(ctx)
