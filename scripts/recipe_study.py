@@ -47,7 +47,9 @@ def run(recipe: str, overrides: list[str], cpu_minutes: float, seed: int, split:
 
     torch.set_num_threads(threads)
     common = ["tracker=none", "checkpoint_every=0", "train.epochs=100000", f"threads={threads}",
-              f"eval.every={eval_every}", f"train.seed={seed}", f"train.max_cpu_minutes={cpu_minutes}"]
+              f"eval.every={eval_every}", f"train.seed={seed}", f"train.max_cpu_minutes={cpu_minutes}",
+              # the reward-hacking check's second column (docs/objectives.md): evaluated, never trained on
+              "eval.extra_rewards=[jpeg_compressibility]"]
     config = load_config(recipe, [*overrides, *common, f"output_dir=runs/study/{time.time_ns()}"])
     train = load_prompts(config.data.train_prompts)
     if split == "validation":
@@ -65,13 +67,18 @@ def run(recipe: str, overrides: list[str], cpu_minutes: float, seed: int, split:
                        "cpu_minutes": sum(h["time/epoch_cpu_s"] for h in done) / 60,
                        "wall_minutes": sum(h["time/epoch_s"] for h in done) / 60,
                        "samples": result["epoch"] * per_epoch,
-                       **{k: result[k] for k in ("accuracy", "accuracy_category_mean", "score", "latent_diversity")
+                       **{k: result[k] for k in ("accuracy", "accuracy_category_mean", "score", "latent_diversity",
+                                                    "jpeg_compressibility")
                           if k in result}})
     points.sort(key=lambda p: p["epoch"])
     return {"recipe": recipe, "overrides": overrides, "seed": seed, "split": split, "cpu_minutes": cpu_minutes,
             "threads": threads, "eval_prompts": len(evaluate), "train_prompts": len(train),
             "epochs": summary["epochs"], "points": points,
-            "reward_mean": [h["reward/mean"] for h in history]}
+            "reward_mean": [h["reward/mean"] for h in history],
+            # every epoch's logged statistics (group reward spread, zero-spread groups, KL, clip
+            # fractions, EXPLORENET's scales…), 6 significant digits: what explains a curve
+            "history": [{k: float(f"{v:.6g}") for k, v in h.items() if isinstance(v, (int, float))}
+                        for h in history]}
 
 
 def main() -> None:
