@@ -99,10 +99,11 @@ class EpochSampler:
 
             self.offline = load_groups(self.config.data.offline_groups, self.config.train.group_size)
 
-    def sample(self, epoch: int, kind: str, tree: TreeShape | None = None) -> EpochBatch:
+    def sample(self, epoch: int, kind: str, tree: TreeShape | None = None, keep_uncond: bool = False) -> EpochBatch:
         """One epoch of ``kind`` rollouts; ``tree`` (an objective's ``tree_shape``): each prompt group
         is one tree of that shape sampled from the group's shared initial noise (its leaves are the
-        group; ``flowalign.rollout.tree_rollout``)."""
+        group; ``flowalign.rollout.tree_rollout``). ``keep_uncond``: "sde" / "ode" rollouts keep CFG's
+        unconditional prediction per step (``Trajectory.uncond``)."""
         groups = self.config.train.groups_per_epoch // len(self.dist.shards)
         if kind == "unmasking":
             return self._epoch(groups, lambda cond, noise, sl, streams: masked_rollout(
@@ -120,6 +121,9 @@ class EpochSampler:
                           window_size=s.window_size, window_start=window_start, generator=self.dist.plan_generator,
                           window_range=None if s.window_range is None else tuple(s.window_range))
 
+        if keep_uncond and tree is not None:
+            raise ValueError("a tree rollout does not keep the unconditional predictions (keep_uncond)")
+
         def flow(cond, noise, sl, streams):
             if tree is not None:  # a rollout batch holds whole groups, whose rows share one initial noise
                 if self.noise_scale is not None:
@@ -130,7 +134,7 @@ class EpochSampler:
             scale = self.noise_scale(cond[sl]) if self.noise_scale is not None else None
             return rollout(self.adapter, cond[sl], noise[sl], schedule, StepPlan(plan.noise_levels, plan.trained[sl]),
                            guidance_scale=s.guidance_scale, generator=streams["noise"], sde=s.sde,
-                           reduction=s.log_prob_reduction, noise_scale=scale)
+                           reduction=s.log_prob_reduction, noise_scale=scale, keep_uncond=keep_uncond)
 
         return self._epoch(groups, flow)
 

@@ -209,10 +209,12 @@ def check_loaded_adapter(config: RunConfig, adapter, objective_cls) -> None:
                           f"which only DiffusionNFT with ODE rollouts trains (sampling.eta: 0); got method "
                           f"{config.method!r}, sampling.eta {config.sampling.eta}: use method: diffusion_nft "
                           f"with sampling.eta=0, or a model with sampling_order joint")
-    if config.train.detach_uncond and not adapter.detach_uncond_supported:
-        raise ConfigError(f"{source_of(config, 'train.detach_uncond')}: train.detach_uncond is not supported by "
-                          f"model family {m.family!r} (its guidance does not go through "
-                          f"DenoiserAdapter.uncond_branch): set it to false")
+    for key, used, supported, seam in (
+            ("detach_uncond", config.train.detach_uncond, adapter.detach_uncond_supported, "uncond_branch"),
+            ("reuse_rollout_uncond", objective_cls.keeps_uncond(config), adapter.rollout_uncond_supported, "guided")):
+        if used and not supported:
+            raise ConfigError(f"{source_of(config, 'train.' + key)}: train.{key} is not supported by model family "
+                              f"{m.family!r} (its guidance does not go through DenoiserAdapter.{seam}): set it to false")
 
 
 def check_prompt_sets(config: RunConfig, missing_ok: bool = False, given=()) -> None:

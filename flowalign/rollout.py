@@ -7,6 +7,7 @@ for velocity models, DDIM for ε-prediction models).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,8 @@ class Trajectory:
     sigmas [S + 1], timesteps [S] as in the schedule; cond: the conditioning used;
     alphas_cumprod, alphas_cumprod_prev [S]: the schedule's ᾱ's (DDIM rollouts only, else None);
     std_scales, step_noise [B, S, ...]: the exploration multiplier each step sampled with and its
-    standard-normal draw (rollouts with a ``noise_scale``, else None; 1 and 0 at deterministic steps)."""
+    standard-normal draw (rollouts with a ``noise_scale``, else None; 1 and 0 at deterministic steps);
+    uncond [B, S, ...]: CFG's unconditional prediction at each step (rollouts with ``keep_uncond``, else None)."""
 
     latents: torch.Tensor
     log_probs: torch.Tensor
@@ -42,12 +44,14 @@ class Trajectory:
     alphas_cumprod_prev: torch.Tensor | None = None
     std_scales: torch.Tensor | None = None
     step_noise: torch.Tensor | None = None
+    uncond: torch.Tensor | None = None
 
     def __getitem__(self, index) -> "Trajectory":
         """Select samples; the per-step schedule tensors are shared."""
         return Trajectory(self.latents[index], self.log_probs[index], self.trained[index], self.noise_levels,
                           self.sigmas, self.timesteps, self.cond[index], self.alphas_cumprod,
-                          self.alphas_cumprod_prev, _select(self.std_scales, index), _select(self.step_noise, index))
+                          self.alphas_cumprod_prev, _select(self.std_scales, index), _select(self.step_noise, index),
+                          _select(self.uncond, index))
 
     @staticmethod
     def cat(parts: list["Trajectory"]) -> "Trajectory":
@@ -58,7 +62,7 @@ class Trajectory:
 
         return Trajectory(join("latents"), join("log_probs"), join("trained"), first.noise_levels, first.sigmas,
                           first.timesteps, Conditioning.cat([p.cond for p in parts]), first.alphas_cumprod,
-                          first.alphas_cumprod_prev, join("std_scales"), join("step_noise"))
+                          first.alphas_cumprod_prev, join("std_scales"), join("step_noise"), join("uncond"))
 
     @property
     def schedule(self) -> Schedule:
@@ -103,21 +107,25 @@ def step_from_prediction(adapter, out, x, step: int, schedule: Schedule, eta, *,
 @torch.no_grad()
 def rollout(adapter, cond: Conditioning, noise: torch.Tensor, schedule: Schedule, plan: StepPlan, *,
             guidance_scale: float = 1.0, generator: torch.Generator | None = None, sde: str = "flow_grpo",
-            reduction: str = "mean", noise_scale=None) -> Trajectory:
+            reduction: str = "mean", noise_scale=None, keep_uncond: bool = False) -> Trajectory:
     """Sample from ``noise`` [B, ...] with a stochastic step where ``plan.noise_levels`` > 0 (the
     ``sde`` of a velocity model, DDIM for an ε-prediction one) and a deterministic step elsewhere
     (log-prob 0 there). Step noise is drawn from ``generator`` (on its device, then moved), one
     [B, ...] draw per stochastic step, in the order diffusers' pipelines draw it: with η = 0 a
     velocity model reproduces the pipeline, and a DDIM rollout with the same generator reproduces
     ``pipe(..., eta=η)``. ``noise_scale(x, step) → m [B, ...]`` (EXPLORENET) sets each stochastic
-    step's per-element std multiplier; the trajectory keeps m and the draws for rescoring."""
+    step's per-element std multiplier; the trajectory keeps m and the draws for rescoring.
+    ``keep_uncond``: the trajectory also keeps CFG's unconditional prediction of every step (a
+    training forward can then take it instead of running that branch: ``DenoiserAdapter.given_uncond``)."""
     steps = schedule.num_steps
     if len(plan.noise_levels) != steps:
         raise ValueError(f"plan has {len(plan.noise_levels)} steps, schedule {steps}")
     if adapter.prediction == "epsilon" and schedule.alphas_cumprod is None:
         raise ValueError("an ε-prediction rollout needs a schedule with alphas_cumprod (the adapter's)")
+    if keep_uncond and guidance_scale <= 1.0:
+        raise ValueError(f"keep_uncond needs CFG (guidance_scale > 1), got {guidance_scale}")
     x = noise.float()
-    latents, log_probs, scales, draws = [x], torch.zeros(x.shape[0], steps), [], []
+    latents, log_probs, scales, draws, unconds = [x], torch.zeros(x.shape[0], steps), [], [], []
     for i in range(steps):
         eta = float(plan.noise_levels[i])
         eps, m = None, None
@@ -127,14 +135,20 @@ def rollout(adapter, cond: Conditioning, noise: torch.Tensor, schedule: Schedule
         if noise_scale is not None:
             scales.append(torch.ones_like(x) if m is None else m.float())
             draws.append(torch.zeros_like(x) if eps is None else eps)
-        out = transition(adapter, x, i, schedule, eta, cond, guidance_scale, sde=sde, noise=eps, reduction=reduction,
-                         std_scale=m)
+        with adapter.recording_uncond() if keep_uncond else contextlib.nullcontext() as record:
+            out = transition(adapter, x, i, schedule, eta, cond, guidance_scale, sde=sde, noise=eps,
+                             reduction=reduction, std_scale=m)
+        if keep_uncond:
+            if len(record) != 1:  # a family whose CFG bypasses DenoiserAdapter.guided records nothing
+                raise ValueError(f"{type(adapter).__name__} recorded {len(record)} unconditional predictions at "
+                                 f"step {i}, expected 1 (its CFG must go through DenoiserAdapter.guided)")
+            unconds.append(record[0])
         x, log_probs[:, i] = out.prev_sample, out.log_prob.cpu()
         latents.append(x)
     return Trajectory(torch.stack(latents, dim=1), log_probs.to(x.device), plan.trained.to(x.device),
                       plan.noise_levels, schedule.sigmas, schedule.timesteps, cond, schedule.alphas_cumprod,
                       schedule.alphas_cumprod_prev, torch.stack(scales, dim=1) if scales else None,
-                      torch.stack(draws, dim=1) if draws else None)
+                      torch.stack(draws, dim=1) if draws else None, torch.stack(unconds, dim=1) if unconds else None)
 
 
 @torch.no_grad()

@@ -235,7 +235,9 @@ class Trainer:
 
     def sample_epoch(self) -> EpochBatch:
         """This process's samples of the epoch, scored (flowalign/epoch_sampler.py)."""
-        return self.sampler.sample(self.epoch, self.objective.rollout, self.objective.tree_shape(self.config))
+        objective, config = self.objective, self.config
+        return self.sampler.sample(self.epoch, objective.rollout, objective.tree_shape(config),
+                                   keep_uncond=objective.keeps_uncond(config))
 
     def compute_advantages(self, batch: EpochBatch) -> tuple[torch.Tensor, dict]:
         """This process's advantages [B] or [B, C] (NaN: does not train) and the reward statistics."""

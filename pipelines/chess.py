@@ -269,6 +269,7 @@ class ChessAdapter(DenoiserAdapter):
 
     prediction = "logits"
     detach_uncond_supported = False  # guided_logits mixes log-softmaxes; train.detach_uncond is not wired in
+    rollout_uncond_supported = False
     family = "chess"
     pipeline_class = ChessPuzzlePipeline
     model_folder = "model"

@@ -120,6 +120,11 @@ class DenoiserAdapter:
     # only the training gradient differs (uncond_branch)
     detach_uncond: bool = False
     detach_uncond_supported: bool = True  # False where the family's CFG does not go through uncond_branch
+    # False where CFG does not go through ``guided`` (which records and reuses the rollout's unconditional
+    # prediction: ``recording_uncond`` / ``given_uncond``, Flow-GRPO's ``train.reuse_rollout_uncond``)
+    rollout_uncond_supported: bool = True
+    _uncond_record: list | None = None
+    _uncond_given: torch.Tensor | None = None
 
     def __init__(self, pipe, *, device: str | torch.device = "cpu", height: int | None = None,
                  width: int | None = None):
@@ -261,12 +266,36 @@ class DenoiserAdapter:
             def combine(uncond, text):
                 return uncond + guidance_scale * (text - uncond)
         if self.splits_uncond():
+            if self._uncond_given is not None:  # the rollout's, for these rows (given_uncond)
+                return combine(self._uncond_given.to(x.device), forward(x, cond.tensors))
             with torch.no_grad():
                 uncond = forward(x, self.negative_tensors(cond))
             return combine(uncond, forward(x, cond.tensors))
         x, tensors = self.guidance_inputs(x, cond, guidance_scale)
         uncond, text = forward(x, tensors).chunk(2)
+        if self._uncond_record is not None:
+            self._uncond_record.append(uncond.detach())
         return combine(self.uncond_branch(uncond), text)
+
+    @contextlib.contextmanager
+    def recording_uncond(self):
+        """Inside: every CFG call of ``guided`` that runs the two branches as one batch appends its
+        unconditional prediction [B, ...] to the yielded list (a rollout keeps them per step)."""
+        self._uncond_record = record = []
+        try:
+            yield record
+        finally:
+            self._uncond_record = None
+
+    @contextlib.contextmanager
+    def given_uncond(self, uncond: torch.Tensor):
+        """Inside: a training forward (``splits_uncond``) takes ``uncond`` [B, ...] as CFG's
+        unconditional prediction instead of running that branch (it carries no gradient there)."""
+        self._uncond_given = uncond
+        try:
+            yield
+        finally:
+            self._uncond_given = None
 
     def batch_timesteps(self, t, batch: int) -> torch.Tensor:
         """t (scalar, or [B] per sample) as [batch] on the adapter's device; a per-sample t is

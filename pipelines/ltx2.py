@@ -62,6 +62,7 @@ class LTX2Adapter(DenoiserAdapter):
 
     prediction = "velocity"
     family = "ltx2"
+    rollout_uncond_supported = False  # its guidance combines three passes of its own (_guided)
     modality = "audio_video"  # decode gives AudioVideoSamples; x is a joint latent [B, D]
     branches = BRANCHES
     pipeline_class = LTX2Pipeline

@@ -51,6 +51,7 @@ class QwenImageAdapter(DenoiserAdapter):
 
     prediction = "velocity"
     family = "qwen_image"
+    rollout_uncond_supported = False  # its negative branch is its own call, not DenoiserAdapter.guided
     pipeline_class = QwenImagePipeline
     model_folder = "transformer"
     lora_targets = JOINT_ATTENTION_LORA_TARGETS  # the image and text streams' attention projections

@@ -39,6 +39,7 @@ class ZImageAdapter(DenoiserAdapter):
 
     prediction = "velocity"
     family = "z_image"
+    rollout_uncond_supported = False  # its negative branch is its own call, not DenoiserAdapter.guided
     pipeline_class = ZImagePipeline
     model_folder = "transformer"
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")  # every (single-stream) attention, refiners included

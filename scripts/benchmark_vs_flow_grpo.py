@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python scripts/benchmark_vs_flow_grpo.py --rounds 5 --out docs/flow_grpo_side_by_side.json
     OMP_NUM_THREADS=1 python scripts/benchmark_vs_flow_grpo.py --flow-grpo-src /path/to/flow_grpo
+    OMP_NUM_THREADS=1 python scripts/benchmark_vs_flow_grpo.py --reuse-uncond   # train.reuse_rollout_uncond
 
 The peer's code is not part of this repository: it is read at run time from a checkout of
 https://github.com/yifan123/flow_grpo at commit ac4c86e (``--flow-grpo-src``, or else downloaded
@@ -160,12 +161,12 @@ class Sides:
     """Everything both sides need, built once: the trainers (flowalign's LoRA, LoRA + KL and full
     fine-tune), their sampled minibatches, and the peer's sample dicts on the same model."""
 
-    def __init__(self, peer, tmp: str, batched_uncond: bool = False):
+    def __init__(self, peer, tmp: str, batched_uncond: bool = False, extra: list[str] = ()):
         self.peer = peer
-        self.lora = flowalign_trainer(f"{tmp}/lora", lora=True, kl=False)
-        self.lora_kl = flowalign_trainer(f"{tmp}/kl", lora=True, kl=True)
-        self.full = flowalign_trainer(f"{tmp}/full", lora=False, kl=False)
-        self.epoch = flowalign_trainer(f"{tmp}/epoch", lora=True, kl=False, groups=2)
+        self.lora = flowalign_trainer(f"{tmp}/lora", lora=True, kl=False, extra=extra)
+        self.lora_kl = flowalign_trainer(f"{tmp}/kl", lora=True, kl=True, extra=extra)
+        self.full = flowalign_trainer(f"{tmp}/full", lora=False, kl=False, extra=extra)
+        self.epoch = flowalign_trainer(f"{tmp}/epoch", lora=True, kl=False, groups=2, extra=extra)
         for trainer in (self.lora, self.lora_kl, self.full, self.epoch):
             if batched_uncond:
                 trainer.adapter.splits_uncond = lambda: False
@@ -343,6 +344,9 @@ def main() -> None:
     parser.add_argument("--batched-uncond", action="store_true",
                         help="flowalign computes CFG's unconditional branch inside the training forward's batch and "
                              "detaches it afterwards (its form before the branch ran on its own): the comparison")
+    parser.add_argument("--reuse-uncond", action="store_true",
+                        help="flowalign with train.reuse_rollout_uncond: the training forward takes CFG's unconditional "
+                             "prediction from the rollout (exact on an update's first minibatch; docs/performance.md)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     root = peer_checkout(args.flow_grpo_src)
@@ -353,10 +357,11 @@ def main() -> None:
         return
     peer = load_peer(root)
     with tempfile.TemporaryDirectory() as tmp:
-        sides = Sides(peer, tmp, batched_uncond=args.batched_uncond)
+        sides = Sides(peer, tmp, batched_uncond=args.batched_uncond,
+                      extra=["train.reuse_rollout_uncond=true"] if args.reuse_uncond else [])
         results = {"rollout": rollout_ratios(sides, args.rounds), **step_ratios(sides, args.rounds),
                    "epoch": epoch_ratio(sides, args.rounds)}
-    results["settings"] = {"batched_uncond": args.batched_uncond, "model": "shapes-sd3", "batch": BATCH, "steps": STEPS, "guidance": GUIDANCE,
+    results["settings"] = {"batched_uncond": args.batched_uncond, "reuse_uncond": args.reuse_uncond, "model": "shapes-sd3", "batch": BATCH, "steps": STEPS, "guidance": GUIDANCE,
                            "noise_level": NOISE_LEVEL, "rounds": args.rounds, "threads": torch.get_num_threads(),
                            "peer": f"{PEER_REPO}@{PEER_COMMIT[:7]}", "torch": torch.__version__}
     rows = [("rollout with log-probs ÷ plain diffusers call", "rollout"), ("LoRA step ÷ one LoRA forward", "lora"),

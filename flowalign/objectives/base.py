@@ -12,6 +12,8 @@ asks the objective, by this protocol only, for what differs between methods::
                         sampled as: one tree from the group's shared noise, branching at chosen
                         steps, sharing prefixes, its leaves the group (``tree_rules``: the settings
                         a tree needs)
+    keeps_uncond(config)  whether its rollouts keep CFG's unconditional prediction per step
+                        (``Trajectory.uncond``) for its training forwards to reuse
     predictions         the adapter predictions it trains ("velocity", "epsilon", "logits")
     options             dataclasses of its own ``train.*`` options, joined into ``TrainConfig``
                         under the same keys and valid only when this method is selected
@@ -240,6 +242,9 @@ class Objective(Protocol):
     @classmethod
     def tree_shape(cls, config: RunConfig) -> TreeShape | None: ...
 
+    @classmethod
+    def keeps_uncond(cls, config: RunConfig) -> bool: ...
+
     def terms(self, batch: EpochBatch) -> list[int]: ...
 
     def sampling_weights(self) -> contextlib.AbstractContextManager: ...
@@ -306,6 +311,10 @@ class BaseObjective:
     def tree_shape(cls, config: RunConfig) -> TreeShape | None:
         """None: each group's rows are independent rollouts; a ``TreeShape``: one tree per group."""
         return None
+
+    @classmethod
+    def keeps_uncond(cls, config: RunConfig) -> bool:
+        return False
 
     def sampling_weights(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

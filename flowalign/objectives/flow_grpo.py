@@ -26,6 +26,7 @@ The trainer sums this over trained steps by gradient accumulation.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -138,6 +139,12 @@ class FlowGRPOOptions:
     # samples whose advantage is 0 (a group with no reward spread): keep them in the loss's mean | drop
     # them from it, as Flow-GRPO does (the gradient's scale then does not depend on how many groups had no spread)
     zero_advantage: str = "keep"
+    # CFG's unconditional prediction in a training forward taken from the rollout, which computed it at
+    # that step, instead of a forward of its own (needs train.detach_uncond: it carries no gradient):
+    # the step costs one pass of the B conditional rows. Exact (to float rounding) while the weights are
+    # those that sampled (an update's first minibatch); after an optimizer step the unconditional half is
+    # the sampling weights', the conditional half the current ones' (docs/performance.md)
+    reuse_rollout_uncond: bool = False
 
 
 @register
@@ -169,7 +176,16 @@ class FlowGRPO(BaseObjective):
                  f"{cls.flow_grpo_kl_steps}, not {s.sde!r}: use exact" if cls.flow_grpo_kl_steps else
                  f"must be exact for method {cls.name} (Flow-GRPO's convention is defined for its own steps)"),
                 ("train.zero_advantage", t.zero_advantage in ZERO_ADVANTAGE,
-                 f"must be one of {', '.join(ZERO_ADVANTAGE)}, got {t.zero_advantage!r}")]
+                 f"must be one of {', '.join(ZERO_ADVANTAGE)}, got {t.zero_advantage!r}"),
+                ("train.reuse_rollout_uncond", not t.reuse_rollout_uncond or t.detach_uncond,
+                 "needs train.detach_uncond: true (the reused unconditional prediction carries no gradient)"),
+                ("train.reuse_rollout_uncond", not t.reuse_rollout_uncond or s.guidance_scale > 1,
+                 f"needs CFG (sampling.guidance_scale > 1, got {s.guidance_scale:g}): without it there is "
+                 f"no unconditional branch to reuse")]
+
+    @classmethod
+    def keeps_uncond(cls, config) -> bool:
+        return config.train.reuse_rollout_uncond
 
     def trained_weight(self, mb: Minibatch, j: int) -> torch.Tensor:
         """bool [b]: the minibatch's samples that train step j (trained there, valid reward, and a
@@ -192,7 +208,9 @@ class FlowGRPO(BaseObjective):
         recorded x' scored with the std each sample was drawn with."""
         ctx, s, sub = self.ctx, self.config.sampling, mb.traj
         scale = None if sub.std_scales is None else sub.std_scales[:, j]
-        with ctx.policy(policy, weights) as model:
+        reuse = sub.uncond is not None and policy == "theta"  # train.reuse_rollout_uncond
+        with ctx.policy(policy, weights) as model, \
+                ctx.adapter.given_uncond(sub.uncond[:, j]) if reuse else contextlib.nullcontext():
             return transition(ctx.adapter, sub.latents[:, j], j, sub.schedule, float(sub.noise_levels[j]), sub.cond,
                               s.guidance_scale, sde=s.sde, prev_sample=sub.latents[:, j + 1],
                               reduction=s.log_prob_reduction, model=model, std_scale=scale)
