@@ -23,6 +23,8 @@ import json
 import statistics
 from pathlib import Path
 
+HACKING = ("latent_diversity", "jpeg_compressibility")  # evaluated, never optimised (docs/objectives.md)
+
 
 def curves_from_study(patterns: list[str]) -> dict[str, list[list[dict]]]:
     """{name: [points of each seed]}: points have cpu_minutes, samples, accuracy."""
@@ -33,16 +35,20 @@ def curves_from_study(patterns: list[str]) -> dict[str, list[list[dict]]]:
             if run.get("split") != "test":
                 continue
             out.setdefault(run["name"], []).append(
-                [{"cpu_minutes": p["cpu_minutes"], "samples": p["samples"], "accuracy": p["accuracy"]}
-                 for p in run["points"]])
+                [{"cpu_minutes": p["cpu_minutes"], **_kept(p)} for p in run["points"]])
     return out
 
 
 def curves_from_objectives(path: str) -> dict[str, list[list[dict]]]:
     data = json.loads(Path(path).read_text())["results"]
     return {f"{name} (1 seed, {r.get('model', 'shapes-sd3')})": [
-        [{"cpu_minutes": p["minutes"], "samples": p["samples"], "accuracy": p["accuracy"]} for p in r["points"]]]
-        for name, r in data.items()}
+        [{"cpu_minutes": p["minutes"], **_kept(p)} for p in r["points"]]] for name, r in data.items()}
+
+
+def _kept(point: dict) -> dict:
+    """What the table reads of an evaluation: samples, accuracy and the two unoptimised columns of
+    the reward-hacking check (within-prompt latent diversity, JPEG size as −kB) where recorded."""
+    return {k: point[k] for k in ("samples", "accuracy", *HACKING) if k in point}
 
 
 def reach(points: list[dict], level: float) -> dict | None:
@@ -57,6 +63,10 @@ def table(curves: dict[str, list[list[dict]]], levels: list[float]) -> list[dict
                "final_mean": statistics.mean(finals),
                "final_sd": statistics.stdev(finals) if len(finals) > 1 else None,
                "cpu_minutes": statistics.mean(s[-1]["cpu_minutes"] for s in seeds), "levels": {}}
+        for key in HACKING:  # before → after, mean over the seeds that recorded it
+            recorded = [s for s in seeds if key in s[0] and key in s[-1]]
+            row[key] = ({"seeds": len(recorded), "before": statistics.mean(s[0][key] for s in recorded),
+                         "after": statistics.mean(s[-1][key] for s in recorded)} if recorded else None)
         for level in levels:
             hits = [h for h in (reach(s, level) for s in seeds) if h is not None]
             row["levels"][f"{level:.2f}"] = {
@@ -69,8 +79,8 @@ def table(curves: dict[str, list[list[dict]]], levels: list[float]) -> list[dict
 
 def markdown(rows: list[dict], levels: list[float]) -> str:
     head = "| method | seeds | before → after (mean ± sd) | " + " | ".join(
-        f"to {level:.2f}: CPU-min / samples" for level in levels) + " |"
-    lines = [head, "|" + "---|" * (3 + len(levels))]
+        f"to {level:.2f}: CPU-min / samples" for level in levels) + " | latent diversity | JPEG, −kB |"
+    lines = [head, "|" + "---|" * (5 + len(levels))]
     for r in rows:
         sd = f" ± {r['final_sd']:.3f}" if r["final_sd"] is not None else ""
         cells = []
@@ -81,6 +91,10 @@ def markdown(rows: list[dict], levels: list[float]) -> str:
                 continue
             part = "" if c["reached"] == r["seeds"] else f" ({c['reached']}/{r['seeds']} seeds)"
             cells.append(f"{c['cpu_minutes']:.1f} / {c['samples']:,.0f}{part}")
+        for key in HACKING:
+            h = r[key]
+            part = "" if h is None or h["seeds"] == r["seeds"] else f" ({h['seeds']}/{r['seeds']} seeds)"
+            cells.append("–" if h is None else f"{h['before']:.3f} → {h['after']:.3f}{part}")
         lines.append(f"| {r['method']} | {r['seeds']} | {r['before']:.3f} → {r['final_mean']:.3f}{sd} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)
