@@ -51,12 +51,13 @@ def local_frozen(folder: Path) -> dict[str, int]:
         if name in DENOISERS or not isinstance(spec, list) or spec[0] not in ("diffusers", "transformers") \
                 or not (folder / name / "config.json").is_file():
             continue
-        cls = getattr(diffusers if spec[0] == "diffusers" else transformers, spec[1], None)
-        if cls is None or not hasattr(cls, "from_config" if spec[0] == "diffusers" else "_from_config"):
+        # a diffusers / transformers model class named by the folder's model_index.json (not an adapter)
+        model_cls = getattr(diffusers if spec[0] == "diffusers" else transformers, spec[1], None)
+        if model_cls is None or not hasattr(model_cls, "from_config" if spec[0] == "diffusers" else "_from_config"):
             continue
         with torch.device("meta"):
-            model = (cls.from_config(cls.load_config(folder / name)) if spec[0] == "diffusers"
-                     else cls._from_config(transformers.AutoConfig.from_pretrained(folder / name)))
+            model = (model_cls.from_config(model_cls.load_config(folder / name)) if spec[0] == "diffusers"
+                     else model_cls._from_config(transformers.AutoConfig.from_pretrained(folder / name)))
         counts[name] = sum(p.numel() for p in model.parameters())
     return counts
 

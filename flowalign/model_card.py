@@ -115,8 +115,8 @@ def _pipeline_loading(config: RunConfig) -> tuple[str, list[str]]:
         import diffusers
 
         spec = json.loads(index.read_text())
-        cls = getattr(diffusers, spec.get("_class_name", ""), None)
-        optional = set(getattr(cls, "_optional_components", []))
+        pipeline_cls = getattr(diffusers, spec.get("_class_name", ""), None)  # a diffusers pipeline class
+        optional = set(getattr(pipeline_cls, "_optional_components", []))
         extra = [f"{name}=None" for name, value in spec.items() if isinstance(value, list) and value[0] is None
                  and name not in optional]
     return source, extra
