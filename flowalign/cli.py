@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose and args.command in MODEL_COMMANDS:
         from flowalign.quiet import quiet
 
-        quiet()
+        quiet(diffusers_bars=args.command != "reward-server")  # a reward server loads no diffusers pipeline
     try:
         return args.func(args)
     except (ConfigError, FileNotFoundError, argparse.ArgumentTypeError) as error:  # + pipelines' ModelNotFoundError

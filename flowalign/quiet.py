@@ -20,13 +20,16 @@ class HarmlessLoraWarning(logging.Filter):
         return not str(record.getMessage()).startswith("No LoRA keys associated to")
 
 
-def quiet() -> None:
-    """Silence the noise above for this process (environment settings the user made are kept)."""
+def quiet(diffusers_bars: bool = True) -> None:
+    """Silence the noise above for this process (environment settings the user made are kept).
+    ``diffusers_bars``: diffusers' loading bars too, which imports it (seconds: it loads torch's compiler
+    stack), so a command that loads no diffusers pipeline (the reward server) passes False."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # huggingface_hub's and transformers' bars
     for name in LORA_LOGGERS:
         logger = logging.getLogger(name)
         if not any(isinstance(f, HarmlessLoraWarning) for f in logger.filters):
             logger.addFilter(HarmlessLoraWarning())
-    import diffusers.utils.logging
+    if diffusers_bars:
+        import diffusers.utils.logging
 
-    diffusers.utils.logging.disable_progress_bar()  # "Loading pipeline components..."
+        diffusers.utils.logging.disable_progress_bar()  # "Loading pipeline components..."

@@ -406,3 +406,15 @@ def test_a_connection_closed_by_the_servers_idle_timeout_is_replaced():
         assert len(server.accepted) == 2
     finally:
         stop(server)
+
+
+def test_the_reward_server_starts_without_importing_diffusers():
+    """Its startup, up to the bound server: diffusers (which loads torch's compiler stack, seconds)
+    serves no reward; the library-noise settings imported it for every command until they were told."""
+    code = ("import sys\nimport flowalign.arguments as A\nfrom flowalign import cli\nbuild = A.reward_server\n"
+            "def bound(args):\n    server = build(args)\n    print('diffusers' in sys.modules)\n"
+            "    server.server_close()\n    raise SystemExit(0)\n"
+            "A.reward_server = bound\n"
+            "cli.main(['reward-server', '--reward', 'jpeg_compressibility', '--port', '0'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr[-2000:]
