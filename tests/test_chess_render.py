@@ -91,7 +91,7 @@ def test_grid_script_takes_the_first_legal_samples_of_the_seeded_draw(tmp_path):
 
 
 @pytest.mark.skipif(not (DEMO_MODELS_DIR / "chess-md" / "model_index.json").is_file(), reason="demo model not built")
-@pytest.mark.skipif(find_stockfish() is None, reason="Stockfish not installed")
+@pytest.mark.skipif(find_stockfish() is None, reason="Stockfish not installed (apt-get install stockfish)")
 def test_grid_script_writes_the_grid_with_engine_verdicts(tmp_path):
     from reward_models.chess.reward import ChessPuzzleReward
 
@@ -113,7 +113,7 @@ def test_grid_script_writes_the_grid_with_engine_verdicts(tmp_path):
 
 
 @pytest.mark.skipif(not (DEMO_MODELS_DIR / "chess-md" / "model_index.json").is_file(), reason="demo model not built")
-@pytest.mark.skipif(find_stockfish() is None, reason="Stockfish not installed")
+@pytest.mark.skipif(find_stockfish() is None, reason="Stockfish not installed (apt-get install stockfish)")
 def test_yield_only_draws_the_first_yield_puzzles_of_each_request():
     from flowalign.chess.render import is_yield
     from reward_models.chess.reward import ChessPuzzleReward

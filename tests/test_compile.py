@@ -13,7 +13,7 @@ import torch
 from flowalign.model_setup import compile_denoisers
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                                reason="torch.compile (inductor) on CPU needs a C++ compiler, none on PATH")
+                                reason="torch.compile (inductor) on CPU needs a C++ compiler, none on PATH (apt-get install g++)")
 
 
 def _prediction_and_gradient(adapter, x, t, cond):

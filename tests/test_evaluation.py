@@ -134,7 +134,7 @@ def test_eval_scores_two_rewards_per_category_and_resumes(tiny_run, tiny_sd3_dir
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (.ci/run installs it from Debian)")
+@pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (apt-get install chromium; .ci/run installs it)")
 def test_report_renders_images_and_charts_in_headless_chromium(tiny_run, tiny_sd3_dir, tmp_path):
     eval_dir = tmp_path / "eval"
     assert main(["eval", "--model", str(tiny_sd3_dir), "--steps", "2", "--seeds", "0", "--max-prompts", "2",
