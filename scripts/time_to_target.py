@@ -101,25 +101,33 @@ def markdown(rows: list[dict], levels: list[float]) -> str:
 
 
 def plot(curves: dict[str, list[list[dict]]], path: str) -> None:
+    """Two panels: methods run with several seeds (mean, band of ± one sd) and single-seed ones."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5))
-    for name, seeds in curves.items():
-        n = min(len(s) for s in seeds)  # runs of one method share their evaluation epochs up to the shortest
-        x = [statistics.mean(s[i]["cpu_minutes"] for s in seeds) for i in range(n)]
-        y = [statistics.mean(s[i]["accuracy"] for s in seeds) for i in range(n)]
-        line, = ax.plot(x, y, marker="o", label=f"{name} ({len(seeds)} seed{'s' if len(seeds) > 1 else ''})")
-        if len(seeds) > 1:
-            sd = [statistics.stdev(s[i]["accuracy"] for s in seeds) for i in range(n)]
-            ax.fill_between(x, [a - b for a, b in zip(y, sd)], [a + b for a, b in zip(y, sd)],
-                            color=line.get_color(), alpha=0.15)
-    ax.set_xlabel("training CPU-minutes (one thread)")
-    ax.set_ylabel("held-out accuracy (44 test prompts × 8 seeds, ODE)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left")
+    groups = {"several seeds: mean ± one sd": {k: v for k, v in curves.items() if len(v) > 1},
+              "one seed": {k: v for k, v in curves.items() if len(v) == 1}}
+    groups = {title: group for title, group in groups.items() if group}
+    fig, axes = plt.subplots(1, len(groups), figsize=(8 * len(groups), 6), sharey=True, squeeze=False)
+    colours = plt.get_cmap("tab20").colors
+    for ax, (title, group) in zip(axes[0], groups.items()):
+        for i, (name, seeds) in enumerate(group.items()):
+            n = min(len(s) for s in seeds)  # runs of one method share their evaluation epochs up to the shortest
+            x = [statistics.mean(s[i]["cpu_minutes"] for s in seeds) for i in range(n)]
+            y = [statistics.mean(s[i]["accuracy"] for s in seeds) for i in range(n)]
+            colour = colours[2 * (i % 10) + i // 10 % 2]  # the 10 strong colours first, then their light twins
+            ax.plot(x, y, marker="o", markersize=3, color=colour, label=f"{name} ({len(seeds)})")
+            if len(seeds) > 1:
+                sd = [statistics.stdev(s[i]["accuracy"] for s in seeds) for i in range(n)]
+                ax.fill_between(x, [a - b for a, b in zip(y, sd)], [a + b for a, b in zip(y, sd)],
+                                color=colour, alpha=0.12)
+        ax.set_title(title)
+        ax.set_xlabel("training CPU-minutes (one thread)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
+    axes[0][0].set_ylabel("held-out accuracy (44 test prompts × 8 seeds, ODE)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
