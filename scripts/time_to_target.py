@@ -113,11 +113,11 @@ def plot(curves: dict[str, list[list[dict]]], path: str) -> None:
     fig, axes = plt.subplots(1, len(groups), figsize=(8 * len(groups), 6), sharey=True, squeeze=False)
     colours = plt.get_cmap("tab20").colors
     for ax, (title, group) in zip(axes[0], groups.items()):
-        for i, (name, seeds) in enumerate(group.items()):
+        for m, (name, seeds) in enumerate(group.items()):
             n = min(len(s) for s in seeds)  # runs of one method share their evaluation epochs up to the shortest
             x = [statistics.mean(s[i]["cpu_minutes"] for s in seeds) for i in range(n)]
             y = [statistics.mean(s[i]["accuracy"] for s in seeds) for i in range(n)]
-            colour = colours[2 * (i % 10) + i // 10 % 2]  # the 10 strong colours first, then their light twins
+            colour = colours[2 * (m % 10) + m // 10 % 2]  # the 10 strong colours first, then their light twins
             ax.plot(x, y, marker="o", markersize=3, color=colour, label=f"{name} ({len(seeds)})")
             if len(seeds) > 1:
                 sd = [statistics.stdev(s[i]["accuracy"] for s in seeds) for i in range(n)]
