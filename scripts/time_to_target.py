@@ -1,13 +1,16 @@
 """Time to target: CPU-minutes and samples each method needs to reach held-out accuracy levels.
 
     python scripts/time_to_target.py --runs "docs/study/test/*.json" --objectives docs/objectives.json \\
-        --levels 0.45,0.5,0.55,0.6 --plot docs/img/time_to_target.png --json docs/time_to_target.json
+        --labels docs/time_to_target_labels.json --plot docs/img/time_to_target.png --json docs/time_to_target.json
 
 Inputs: ``scripts/recipe_study.py`` results (one JSON per method × seed; its ``name`` is the row,
 ``cpu_minutes`` the training CPU time, one thread) and, optionally, the single-seed
 ``scripts/benchmark_objectives.py`` file (``docs/objectives.json``: its minutes are wall-clock of a
 one-thread run with a core to itself, which is its CPU time; its rows are marked "1 seed"). Only
 ``--split test`` study runs are read (the held-out test prompts, as the benchmark).
+
+``--labels`` names the rows: a JSON object {run name: label}, whose order is the table's (rows it
+does not name follow, under their run names); docs/time_to_target_labels.json is the docs' own.
 
 A level counts as reached at a run's first evaluation after training began at or above it (a first
 crossing of a noisy curve: one standard error of one evaluation is ≈ 0.026). A row gives the mean
@@ -51,6 +54,12 @@ def _kept(point: dict) -> dict:
     return {k: point[k] for k in ("samples", "accuracy", *HACKING) if k in point}
 
 
+def relabel(curves: dict[str, list[list[dict]]], labels: dict[str, str]) -> dict[str, list[list[dict]]]:
+    """The curves under their labels, in the labels' order; runs without a label follow, as named."""
+    named = [(labels[name], curves[name]) for name in labels if name in curves]
+    return dict(named + [(name, seeds) for name, seeds in curves.items() if name not in labels])
+
+
 def reach(points: list[dict], level: float) -> dict | None:
     return next((p for p in points[1:] if p["accuracy"] >= level), None)
 
@@ -79,7 +88,7 @@ def table(curves: dict[str, list[list[dict]]], levels: list[float]) -> list[dict
 
 def markdown(rows: list[dict], levels: list[float]) -> str:
     head = "| method | seeds | before → after (mean ± sd) | " + " | ".join(
-        f"to {level:.2f}: CPU-min / samples" for level in levels) + " | latent diversity | JPEG, −kB |"
+        f"to {level:.2f}: CPU-min / samples" for level in levels) + " | latent diversity (not optimised) | JPEG, −kB (not optimised) |"
     lines = [head, "|" + "---|" * (5 + len(levels))]
     for r in rows:
         sd = f" ± {r['final_sd']:.3f}" if r["final_sd"] is not None else ""
@@ -136,6 +145,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="*", default=[], help="glob(s) of recipe_study.py JSON files")
     parser.add_argument("--objectives", help="a benchmark_objectives.py objectives.json (single seed)")
+    parser.add_argument("--labels", help="a JSON object {run name: row label}, in the table's order")
     parser.add_argument("--levels", default="0.45,0.5,0.55,0.6")
     parser.add_argument("--plot", help="write the accuracy-vs-CPU-minutes plot here")
     parser.add_argument("--json", help="write the table's numbers here")
@@ -144,6 +154,8 @@ def main() -> None:
     curves = curves_from_study(args.runs)
     if args.objectives:
         curves.update(curves_from_objectives(args.objectives))
+    if args.labels:
+        curves = relabel(curves, json.loads(Path(args.labels).read_text()))
     if not curves:
         raise SystemExit("no runs: --runs matched no --split test study file and no --objectives was given")
     rows = table(curves, levels)

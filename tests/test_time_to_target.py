@@ -35,3 +35,11 @@ def test_the_plot_is_written_for_runs_of_several_seeds_and_of_one(tmp_path):
     out = tmp_path / "plot.png"
     ttt.plot(ttt.curves_from_study([str(tmp_path / "*.json")]), str(out))
     assert out.stat().st_size > 0
+
+
+def test_labels_name_and_order_the_rows_and_unlabelled_runs_follow_as_named(tmp_path):
+    for name in ("a", "b", "c"):
+        _study(tmp_path / f"{name}-s0.json", name, 0, [0.40, 0.45])
+    curves = ttt.relabel(ttt.curves_from_study([str(tmp_path / "*.json")]), {"c": "method C", "a": "method A", "z": "absent"})
+    assert list(curves) == ["method C", "method A", "b"]
+    assert [r["method"] for r in ttt.table(curves, [0.45])] == ["method C", "method A", "b"]
