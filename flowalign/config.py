@@ -87,6 +87,14 @@ class SamplingConfig:
     window_stride: Annotated[int, at_least(1)] = 1  # steps the window moves each time it slides
     shared_group_noise: bool = False  # one initial noise per prompt group
     log_prob_reduction: str = "mean"  # mean | sum over latent elements
+    # the sampling policy's denoiser calls under torch.autocast at this precision (bf16 | fp16), with a
+    # LoRA merged into the weights: the rollouts, and the update's forwards of the policy that sampled them
+    # (DiffusionNFT's v_old); the latents and the solver's arithmetic stay float32; the trained forward,
+    # the reference policy and the evaluation keep train.mixed_precision. Only for methods whose rollouts
+    # carry no log-probabilities (ODE rollouts: DiffusionNFT, AWM, ...): a rescored log-prob would no longer
+    # match the sampled one. none: as training; auto: bf16 where the device has fast bf16 (a CUDA GPU with
+    # bf16, a CPU with AMX), else none: elsewhere bf16 is slower than float32 (docs/performance.md, "The demo")
+    autocast: str = "none"
     # masked discrete diffusion (model.family chess, pipelines/unmasking.py): how many
     # positions each of the num_steps steps unmasks (cosine | linear) and the sampling temperature
     # of the model's categoricals (training rescores at the same one); the log-prob is always the
@@ -465,6 +473,9 @@ def check_values(config: RunConfig, where: str = "config") -> None:
         ("sampling.temperature", s.temperature > 0, "must be > 0"),
         ("train.advantage_baseline", t.advantage_baseline == "group" or not (t.per_prompt_stats or t.global_std),
          "leave_one_out cannot be combined with train.per_prompt_stats or train.global_std"),
+        ("sampling.autocast", s.autocast == "none" or t.mixed_precision == "no",
+         f"must be none under train.mixed_precision {t.mixed_precision}: Accelerate already runs every forward, "
+         "the rollouts' included, at the training's precision"),
     ]
     from flowalign import experimental
     from flowalign.objectives.base import OBJECTIVES, methods
@@ -472,6 +483,10 @@ def check_values(config: RunConfig, where: str = "config") -> None:
     if config.method not in methods():
         raise ConfigError(f"{source_of(config, 'method', where)}: method must be one of {', '.join(methods())}, got {config.method!r}")
     rules += method_option_rules(config, option_owners(method_options(), _GeneralTrainConfig))
+    kinds = sorted({cls.rollout for cls in OBJECTIVES[config.method]})
+    rules.append(("sampling.autocast", s.autocast == "none" or kinds == ["ode"],
+                  f"must be none for {config.method}, whose rollouts are {' / '.join(kinds)}, not ode: only rollouts "
+                  "without log-probabilities can be sampled at a lower precision than training rescores them"))
     for cls in OBJECTIVES[config.method]:  # each method's own rules, then the experimental extras'
         rules += cls.validate(config)
     rules += experimental.rules(config)

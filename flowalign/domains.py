@@ -29,6 +29,7 @@ CHOICES = {
     "sampling.sde": ("flow_grpo", "cps", "dance_grpo", "dance_grpo_euler"),
     "explore.mode": ("none", "shape", "magnitude", "both"),
     "sampling.log_prob_reduction": ("mean", "sum"),
+    "sampling.autocast": ("none", "auto", "bf16", "fp16"),
     "sampling.unmask_schedule": ("cosine", "linear"),
     "sampling.move_schedule": ("joint", "last"),
     "train.advantage_baseline": ("group", "leave_one_out"),

@@ -74,6 +74,43 @@ class Trajectory:
         return self.latents[:, -1]
 
 
+def native_bf16(device) -> bool:
+    """Whether ``device`` multiplies bf16 much faster than float32: a CUDA GPU that has bf16, or a CPU
+    with AMX tiles. (Measured on the demo model, one thread: with AMX a bf16 forward costs 0.56× the
+    float32 one; with AVX512-BF16 alone 0.93×; with AVX512 or AVX2 only, emulated, 1.7× and 3.7×.)"""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return device.type == "cpu" and amx is not None and amx()
+
+
+def resolved_autocast(precision: str, device) -> str:
+    """``sampling.autocast`` as it runs on ``device``: auto → bf16 where ``native_bf16``, else none."""
+    if precision == "auto":
+        return "bf16" if native_bf16(device) else "none"
+    return precision
+
+
+@contextlib.contextmanager
+def sampling_precision(adapter, precision: str, merge: bool = True):
+    """``sampling.autocast``: the sampling policy's denoiser calls under ``torch.autocast`` at ``precision``
+    (bf16 | fp16 | auto, ``resolved_autocast``) on the adapter's device and, with ``merge`` (weights not
+    sharded), a LoRA merged into the weights (``adapter.merged_lora``: under autocast the three products
+    of an unmerged LoRA layer, each weight cast anew, cost about as much as the rest of the model);
+    "none": nothing changes."""
+    precision = resolved_autocast(precision, adapter.device)
+    if precision == "none":
+        yield
+        return
+    with torch.autocast(torch.device(adapter.device).type, dtype=AUTOCAST_DTYPES[precision]), \
+            adapter.merged_lora() if merge else contextlib.nullcontext():
+        yield
+
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def transition(adapter, x, step: int, schedule: Schedule, eta, cond, guidance_scale, *, sde: str = "flow_grpo",
                noise=None, prev_sample=None, reduction="mean", model=None, std_scale=None) -> StepOutput:
     """One step from x at ``step``: sample with ``noise``, score ``prev_sample``, or (η = 0)
@@ -81,7 +118,8 @@ def transition(adapter, x, step: int, schedule: Schedule, eta, cond, guidance_sc
     parameterisation and x̂0 clipping are the adapter's; velocity models take the ``sde`` step
     of ``FLOW_SDE_STEPS`` (flow_grpo | cps | dance_grpo), or the Euler step at η = 0.
     ``std_scale`` [B, ...]: a per-element multiplier of the SDE std (EXPLORENET; flow SDEs only)."""
-    out = adapter.predict(x, schedule.timesteps[step], cond, guidance_scale, model=model)
+    # under sampling.autocast the model answers in bf16 / fp16; the solver steps in x's float32
+    out = adapter.predict(x, schedule.timesteps[step], cond, guidance_scale, model=model).to(x.dtype)
     return step_from_prediction(adapter, out, x, step, schedule, eta, sde=sde, noise=noise, prev_sample=prev_sample,
                                 reduction=reduction, std_scale=std_scale)
 

@@ -43,6 +43,7 @@ from flowalign.ema import EMA, maybe_swapped_in, short_run_warning
 from flowalign.epoch_sampler import EpochBatch, EpochSampler
 from flowalign.evaluator import Evaluator, flat
 from flowalign.faults import NanEpochStreak, RewardGuard, built_reward, finite_json
+from flowalign.rollout import resolved_autocast
 from flowalign.callbacks import HubPush, TrackerLogging, fire
 from flowalign.hub import check_hub
 from flowalign.logs import add_default_handler, get_logger
@@ -173,6 +174,9 @@ class Trainer:
             init_trackers(acc, cfg, flat(to_dict(cfg)))  # flowalign/outputs.py: TensorBoard, or W&B's wandb: section
             log.info("determinism: %s (the same seed and these give the same numbers)",
                      ", ".join(f"{k} {v}" for k, v in run_environment().items()))
+            if cfg.sampling.autocast != "none":
+                log.info("sampling.autocast %s: the sampling policy's forwards run at %s", cfg.sampling.autocast,
+                         resolved_autocast(cfg.sampling.autocast, self.adapter.device))
             if "before" not in self.evals:
                 self.evals["before"] = self.evaluate("before")
             start = self.session_start = time.time()
@@ -349,7 +353,9 @@ class Trainer:
         acc = self.accelerator
         summary = {"before": self.evals.get("before"), "after": self.evals.get("after"),
                    "evals": self.evals, "train_minutes": seconds / 60, "epochs": self.epoch,
-                   "environment": {**run_environment(), "processes": acc.num_processes}}
+                   "environment": {**run_environment(), "processes": acc.num_processes,
+                                   "sampling_precision": resolved_autocast(self.config.sampling.autocast,
+                                                                           self.adapter.device)}}
         with self.dist.full_params(self.model):
             if acc.is_main_process:
                 with maybe_swapped_in(self.ema):

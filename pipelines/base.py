@@ -156,6 +156,8 @@ class Adapter(Protocol):
 
     def reference(self) -> ContextManager: ...
 
+    def merged_lora(self) -> ContextManager: ...
+
     def add_lora(self, rank: int, alpha: float | None, targets: list[str] | None) -> None: ...
 
     def enable_full_finetune(self, keep_reference: bool) -> None: ...
@@ -290,6 +292,36 @@ def disabled_lora(model: nn.Module):
         yield
     finally:
         model.enable_adapters()
+
+
+@contextlib.contextmanager
+def merged_lora(model: nn.Module):
+    """Run ``model`` with each active peft LoRA of its linear and conv layers folded into the base
+    weight, W + ΔW (diffusers' ``fuse_lora``): one product per layer instead of three, the same
+    function up to float rounding. For forward passes without gradient (the LoRA weights are
+    bypassed). The base weights come back exactly: the original tensors are put back, not
+    W + ΔW − ΔW."""
+    from peft.tuners.lora import Conv2d, Linear
+
+    saved = []
+    try:
+        with torch.no_grad():
+            for layer in model.modules():
+                if not isinstance(layer, (Linear, Conv2d)) or layer.merged or layer.disable_adapters:
+                    continue
+                names = [name for name in layer.active_adapters
+                         if name in layer.lora_A and not layer.use_dora.get(name, False)]
+                if not names:
+                    continue
+                base = layer.get_base_layer()
+                saved.append((layer, base.weight.data))
+                base.weight.data = base.weight.data + sum(layer.get_delta_weight(n) for n in names).to(base.weight.dtype)
+                layer.merged_adapters = names
+        yield
+    finally:
+        for layer, weight in saved:
+            layer.get_base_layer().weight.data = weight
+            layer.merged_adapters = []
 
 
 class PromptEmbeddingCache:

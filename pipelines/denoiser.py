@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipelines.base import Conditioning, ModelNotFoundError, Schedule, disabled_lora, load_with_hub_fallback
+from pipelines.base import Conditioning, ModelNotFoundError, Schedule, disabled_lora, load_with_hub_fallback, merged_lora
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"  # what save_lora_weights writes
@@ -383,6 +383,16 @@ class DenoiserAdapter:
                 self.denoiser = current
         else:
             raise RuntimeError("no reference policy: full fine-tuning was set up without keep_reference")
+
+    @contextlib.contextmanager
+    def merged_lora(self):
+        """Inside this context a LoRA's forward passes run on merged weights (``pipelines.base.merged_lora``;
+        no gradient); nothing changes for full fine-tuning."""
+        with contextlib.ExitStack() as stack:
+            if self.lora:
+                for model in self.denoisers().values():
+                    stack.enter_context(merged_lora(model))
+            yield
 
     def trained_state_dict(self) -> dict[str, torch.Tensor]:
         """The trained weights: the LoRA layers in peft/diffusers naming, or the whole denoiser; with

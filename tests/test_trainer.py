@@ -28,7 +28,7 @@ def test_one_update_per_rollout_is_exactly_on_policy_and_kl_starts_at_zero(tiny_
     # what the numbers depend on besides config and seed is recorded beside them
     assert metrics["environment"] == {"threads": 1, "torch": torch.__version__, "processes": 1,
                                       "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                                      "cpu_extensions": cpu_extensions()}
+                                      "cpu_extensions": cpu_extensions(), "sampling_precision": "none"}
 
 
 def test_the_run_sets_its_thread_count(tiny_sd3_dir, tmp_path):

@@ -1,0 +1,130 @@
+"""``sampling.autocast``: the sampling policy's forward passes at a lower precision on a merged LoRA.
+
+``merged_lora`` is the same function as the unmerged LoRA up to float rounding and gives the base
+weights back exactly; the "sampler" policy folds in the swapped-in weights, not the trained ones;
+rollouts keep float32 latents; the trained forward and the evaluation do not change; methods whose
+rollouts carry log-probabilities, and runs under mixed precision, are refused before any model loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowalign.ema import EMA
+from flowalign.errors import ConfigError
+from flowalign.rollout import native_bf16, resolved_autocast, rollout, sampling_precision
+from flowalign.samplers.steps import plan_steps
+from flowalign.trainer import Trainer
+from tests.helpers import tiny_config
+
+NFT = ("method=diffusion_nft", "sampling.eta=0.0", "train.noise_draws=2")
+
+
+def _lora_with_weights(adapter, std=0.3, seed=1):
+    adapter.add_lora(rank=4)
+    with torch.no_grad():
+        for name, p in adapter.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, std, generator=torch.Generator().manual_seed(seed))
+    return [p for p in adapter.model.parameters() if p.requires_grad]
+
+
+def _inputs(adapter):
+    return (adapter.initial_noise(2, torch.Generator().manual_seed(0)), torch.tensor([800.0, 300.0]),
+            adapter.encode(["a red circle", "a blue square"]))
+
+
+def test_a_merged_lora_predicts_as_the_unmerged_one_and_gives_the_base_weights_back_exactly(tiny_adapter):
+    a = tiny_adapter
+    _lora_with_weights(a)
+    x, t, cond = _inputs(a)
+    frozen = {n: p.detach().clone() for n, p in a.model.named_parameters() if not p.requires_grad}
+    with torch.no_grad():
+        unmerged = a.predict(x, t, cond, 1.0)
+        with a.merged_lora():
+            merged = a.predict(x, t, cond, 1.0)
+            changed = [n for n, p in a.model.named_parameters() if not p.requires_grad and not torch.equal(p, frozen[n])]
+        with a.reference():
+            base = a.predict(x, t, cond, 1.0)
+        after = a.predict(x, t, cond, 1.0)
+    assert changed  # the LoRA really was folded into base weights
+    assert (merged - unmerged).abs().max() <= 1e-5 * unmerged.abs().max()
+    assert (unmerged - base).abs().max() > 1e-2  # the LoRA changes the prediction: the check above has teeth
+    assert all(torch.equal(p, frozen[n]) for n, p in a.model.named_parameters() if not p.requires_grad)
+    assert torch.equal(after, unmerged)
+
+
+def test_the_sampler_policy_folds_in_the_swapped_in_weights_at_the_sampling_precision(tiny_sd3_dir, tmp_path):
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, *NFT, "sampling.autocast=bf16"))
+    ctx, a = trainer.objective.ctx, trainer.adapter
+    params = [p for p in a.model.parameters() if p.requires_grad]
+    x, t, cond = _inputs(a)
+    old = EMA(params, 0.0)
+    with torch.no_grad():
+        for p in params:  # θ moves away from the old copy
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.3)
+        v_theta = ctx.predict(x, t, cond)
+        v_old = ctx.predict(x, t, cond, policy="old", weights=old)
+        v_sampler = ctx.predict(x, t, cond, policy="sampler", weights=old)
+        v_theta_after = ctx.predict(x, t, cond)
+    assert v_sampler.dtype == torch.bfloat16 and v_old.dtype == torch.float32
+    to_old, to_theta = (v_sampler.float() - v_old).norm(), (v_sampler.float() - v_theta).norm()
+    assert to_old <= 0.03 * v_old.norm()  # the old weights, in bf16 ...
+    assert to_theta > 5 * to_old  # ... not θ's: the merge took the swapped-in copy
+    assert torch.equal(v_theta_after, v_theta)  # θ and the base weights are back
+
+
+def test_an_autocast_rollout_keeps_float32_latents_close_to_the_float32_rollout(tiny_adapter):
+    a = tiny_adapter
+    _lora_with_weights(a)
+    _, _, cond = _inputs(a)
+    noise = a.initial_noise(2, torch.Generator().manual_seed(0))
+    schedule = a.schedule(4)
+    plan = plan_steps(4, 2, 0.0, "all")
+    full = rollout(a, cond, noise, schedule, plan)
+    with sampling_precision(a, "bf16"):
+        low = rollout(a, cond, noise, schedule, plan)
+    assert low.latents.dtype == torch.float32
+    error = (low.samples - full.samples).norm() / full.samples.norm()
+    assert 0 < error < 0.05
+
+
+def test_the_trained_forward_and_the_evaluation_keep_full_precision(tiny_sd3_dir, tmp_path):
+    runs = {name: Trainer(tiny_config(tiny_sd3_dir, tmp_path / name, *NFT, *extra, "train.epochs=1"))
+            for name, extra in (("fp32", ()), ("bf16", ("sampling.autocast=bf16",)))}
+    evals = {name: r.evaluate("before") for name, r in runs.items()}
+    assert evals["bf16"] == evals["fp32"]  # the same weights evaluated the same way, to the last digit
+    for r in runs.values():
+        r.train()
+    # the rollouts differ in rounding, so the rewards and the loss differ a little, and training still runs
+    assert all(h["train/grad_norm"] > 0 for h in runs["bf16"].history)
+    a = runs["bf16"].adapter
+    x, t, cond = _inputs(a)
+    out = runs["bf16"].objective.ctx.predict(x, t, cond)
+    assert out.dtype == torch.float32 and out.requires_grad
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (("method=flow_grpo",), "sampling.autocast must be none for flow_grpo, whose rollouts are sde"),
+    (("method=ddpo",), "sampling.autocast must be none for ddpo"),
+    (("method=gdro", "data.offline_groups=nowhere"), "whose rollouts are offline"),
+    ((*NFT, "train.mixed_precision=bf16"), "sampling.autocast must be none under train.mixed_precision bf16"),
+])
+def test_autocast_refuses_rollouts_with_log_probs_and_mixed_precision_before_any_model_loads(overrides, says):
+    from flowalign.config import load_config
+
+    with pytest.raises(ConfigError, match=says):
+        load_config(None, ["model.path=/nonexistent", *overrides, "sampling.autocast=bf16"])
+    with pytest.raises(ConfigError, match="sampling.autocast must be one of"):
+        load_config(None, ["model.path=/nonexistent", *NFT, "sampling.autocast=fp8"])
+    load_config(None, ["model.path=/nonexistent", *NFT, "sampling.autocast=bf16"])  # DiffusionNFT takes it
+
+
+def test_auto_is_bf16_exactly_where_the_device_multiplies_bf16_natively(monkeypatch):
+    assert resolved_autocast("bf16", "cpu") == "bf16" and resolved_autocast("none", "cpu") == "none"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert native_bf16("cpu") and resolved_autocast("auto", "cpu") == "bf16"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert not native_bf16("cpu") and resolved_autocast("auto", "cpu") == "none"
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")  # a torch without the probe: no bf16
+    assert resolved_autocast("auto", "cpu") == "none"
