@@ -88,12 +88,13 @@ class SamplingConfig:
     shared_group_noise: bool = False  # one initial noise per prompt group
     log_prob_reduction: str = "mean"  # mean | sum over latent elements
     # the sampling policy's denoiser calls under torch.autocast at this precision (bf16 | fp16), with a
-    # LoRA merged into the weights: the rollouts, and the update's forwards of the policy that sampled them
-    # (DiffusionNFT's v_old); the latents and the solver's arithmetic stay float32; the trained forward,
-    # the reference policy and the evaluation keep train.mixed_precision. Only for methods whose rollouts
-    # carry no log-probabilities (ODE rollouts: DiffusionNFT, AWM, ...): a rescored log-prob would no longer
-    # match the sampled one. none: as training; auto: bf16 where the device has fast bf16 (a CUDA GPU with
-    # bf16, a CPU with AMX), else none: elsewhere bf16 is slower than float32 (docs/performance.md, "The demo")
+    # LoRA merged into the weights: every rollout step whose log-prob no update rescores (all of an ODE
+    # rollout's steps: DiffusionNFT, AWM, ...; a Flow-GRPO / DanceGRPO / DDPO rollout's deterministic
+    # steps, its trained ones staying at full precision so the first ratio is 1), and the update's forwards
+    # of the policy that sampled them (DiffusionNFT's v_old); the latents and the solver's arithmetic stay
+    # float32; the trained forward, the reference policy and the evaluation keep train.mixed_precision.
+    # none: as training; auto: bf16 where the device has fast bf16 (a CUDA GPU with bf16, a CPU with AMX),
+    # else none: elsewhere bf16 is slower than float32 (docs/performance.md, "Sampling in bf16")
     autocast: str = "none"
     # masked discrete diffusion (model.family chess, pipelines/unmasking.py): how many
     # positions each of the num_steps steps unmasks (cosine | linear) and the sampling temperature
@@ -414,6 +415,15 @@ def check_types(config: RunConfig, where: str = "RunConfig") -> None:
     _build(RunConfig, to_dict(config), "", where)
 
 
+AUTOCAST_REFUSAL = ("must be none for {}: only flow and DDIM rollouts sampled one by one have steps to run at a "
+                    "lower precision (not offline groups, trees or masked unmasking)")
+
+
+def autocast_applies(objective_cls, config: RunConfig) -> bool:
+    """Whether ``sampling.autocast`` has steps to act on in ``objective_cls``'s rollouts."""
+    return objective_cls.rollout in ("ode", "sde") and objective_cls.tree_shape(config) is None
+
+
 def check_values(config: RunConfig, where: str = "config") -> None:
     """Types (``check_types``: a config built in Python gets the checks of a file), then cross-field
     checks that types alone cannot express. A failure names the key and where its value came from
@@ -483,10 +493,8 @@ def check_values(config: RunConfig, where: str = "config") -> None:
     if config.method not in methods():
         raise ConfigError(f"{source_of(config, 'method', where)}: method must be one of {', '.join(methods())}, got {config.method!r}")
     rules += method_option_rules(config, option_owners(method_options(), _GeneralTrainConfig))
-    kinds = sorted({cls.rollout for cls in OBJECTIVES[config.method]})
-    rules.append(("sampling.autocast", s.autocast == "none" or kinds == ["ode"],
-                  f"must be none for {config.method}, whose rollouts are {' / '.join(kinds)}, not ode: only rollouts "
-                  "without log-probabilities can be sampled at a lower precision than training rescores them"))
+    rules.append(("sampling.autocast", s.autocast == "none" or any(
+        autocast_applies(cls, config) for cls in OBJECTIVES[config.method]), AUTOCAST_REFUSAL.format(config.method)))
     for cls in OBJECTIVES[config.method]:  # each method's own rules, then the experimental extras'
         rules += cls.validate(config)
     rules += experimental.rules(config)

@@ -21,7 +21,7 @@ import torch
 
 from flowalign.advantages import combine_rewards
 from flowalign.config import RunConfig
-from flowalign.rollout import Trajectory, group_noise, rollout, sampling_precision, tree_rollout
+from flowalign.rollout import Trajectory, group_noise, rollout, tree_rollout
 from flowalign.samplers.steps import StepPlan, plan_steps, sliding_window_start
 from flowalign.samplers.tree import TreeShape
 from pipelines.base import decode_samples, encode_records
@@ -134,7 +134,8 @@ class EpochSampler:
             scale = self.noise_scale(cond[sl]) if self.noise_scale is not None else None
             return rollout(self.adapter, cond[sl], noise[sl], schedule, StepPlan(plan.noise_levels, plan.trained[sl]),
                            guidance_scale=s.guidance_scale, generator=streams["noise"], sde=s.sde,
-                           reduction=s.log_prob_reduction, noise_scale=scale, keep_uncond=keep_uncond)
+                           reduction=s.log_prob_reduction, noise_scale=scale, keep_uncond=keep_uncond,
+                           precision=s.autocast, low_precision_stochastic=kind == "ode", merge=not self.dist.sharded)
 
         return self._epoch(groups, flow)
 
@@ -149,8 +150,7 @@ class EpochSampler:
                 shard_specs, cond, noise = self.draw_groups(shard, streams, groups)
                 for lo in range(0, len(shard_specs), t.sample_batch_size):
                     sl = slice(lo, lo + t.sample_batch_size)
-                    with sampling_precision(self.adapter, self.config.sampling.autocast, merge=not self.dist.sharded):
-                        part = roll(cond, noise, sl, streams)
+                    part = roll(cond, noise, sl, streams)
                     parts.append(part)
                     decoded = decode_samples(self.adapter, part.samples, part.cond)
                     scored.append(pool.submit(reward_chunk, self.reward, decoded, shard_specs[sl]) if t.async_reward

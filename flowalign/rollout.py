@@ -76,8 +76,9 @@ class Trajectory:
 
 def native_bf16(device) -> bool:
     """Whether ``device`` multiplies bf16 much faster than float32: a CUDA GPU that has bf16, or a CPU
-    with AMX tiles. (Measured on the demo model, one thread: with AMX a bf16 forward costs 0.56× the
-    float32 one; with AVX512-BF16 alone 0.93×; with AVX512 or AVX2 only, emulated, 1.7× and 3.7×.)"""
+    with AMX tiles. (The demo model's forward, one thread, docs/sampling_precision_cpu.json: in bf16 it
+    costs 0.5× the float32 one with AMX, 0.8–0.9× with AVX512-BF16 alone, 1.7× and 3.7× emulated on
+    AVX512 or AVX2.)"""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
@@ -109,6 +110,31 @@ def sampling_precision(adapter, precision: str, merge: bool = True):
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LowPrecisionSteps:
+    """``sampling_precision`` switched on and off step by step along a rollout (a LoRA merged once
+    per run of low-precision steps, not once per step)."""
+
+    def __init__(self, adapter, precision: str, merge: bool):
+        self.adapter, self.precision, self.merge = adapter, precision, merge
+        self.stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> LowPrecisionSteps:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.at(False)  # the base weights back, whatever happened in the step
+
+    def at(self, low: bool) -> None:
+        """The next step runs at low precision (``low`` and a precision is set) or at full precision."""
+        low = low and self.precision != "none"
+        if low and self.stack is None:
+            self.stack = contextlib.ExitStack()
+            self.stack.enter_context(sampling_precision(self.adapter, self.precision, self.merge))
+        elif not low and self.stack is not None:
+            self.stack.close()
+            self.stack = None
 
 
 def transition(adapter, x, step: int, schedule: Schedule, eta, cond, guidance_scale, *, sde: str = "flow_grpo",
@@ -145,7 +171,8 @@ def step_from_prediction(adapter, out, x, step: int, schedule: Schedule, eta, *,
 @torch.no_grad()
 def rollout(adapter, cond: Conditioning, noise: torch.Tensor, schedule: Schedule, plan: StepPlan, *,
             guidance_scale: float = 1.0, generator: torch.Generator | None = None, sde: str = "flow_grpo",
-            reduction: str = "mean", noise_scale=None, keep_uncond: bool = False) -> Trajectory:
+            reduction: str = "mean", noise_scale=None, keep_uncond: bool = False, precision: str = "none",
+            low_precision_stochastic: bool = False, merge: bool = True) -> Trajectory:
     """Sample from ``noise`` [B, ...] with a stochastic step where ``plan.noise_levels`` > 0 (the
     ``sde`` of a velocity model, DDIM for an ε-prediction one) and a deterministic step elsewhere
     (log-prob 0 there). Step noise is drawn from ``generator`` (on its device, then moved), one
@@ -154,7 +181,11 @@ def rollout(adapter, cond: Conditioning, noise: torch.Tensor, schedule: Schedule
     ``pipe(..., eta=η)``. ``noise_scale(x, step) → m [B, ...]`` (EXPLORENET) sets each stochastic
     step's per-element std multiplier; the trajectory keeps m and the draws for rescoring.
     ``keep_uncond``: the trajectory also keeps CFG's unconditional prediction of every step (a
-    training forward can then take it instead of running that branch: ``DenoiserAdapter.given_uncond``)."""
+    training forward can then take it instead of running that branch: ``DenoiserAdapter.given_uncond``).
+    ``precision`` (``sampling.autocast``): the deterministic steps, and with ``low_precision_stochastic``
+    (log-probs that nobody rescores) the stochastic ones too, run under ``sampling_precision`` (``merge``:
+    a LoRA merged in); a step whose log-prob trains stays at full precision, so the first rescoring
+    gives ratio 1."""
     steps = schedule.num_steps
     if len(plan.noise_levels) != steps:
         raise ValueError(f"plan has {len(plan.noise_levels)} steps, schedule {steps}")
@@ -164,25 +195,28 @@ def rollout(adapter, cond: Conditioning, noise: torch.Tensor, schedule: Schedule
         raise ValueError(f"keep_uncond needs CFG (guidance_scale > 1), got {guidance_scale}")
     x = noise.float()
     latents, log_probs, scales, draws, unconds = [x], torch.zeros(x.shape[0], steps), [], [], []
-    for i in range(steps):
-        eta = float(plan.noise_levels[i])
-        eps, m = None, None
-        if eta > 0:
-            eps = torch.randn(x.shape, generator=generator, device=generator.device if generator else "cpu").to(x.device)
-            m = noise_scale(x, i) if noise_scale is not None else None
-        if noise_scale is not None:
-            scales.append(torch.ones_like(x) if m is None else m.float())
-            draws.append(torch.zeros_like(x) if eps is None else eps)
-        with adapter.recording_uncond() if keep_uncond else contextlib.nullcontext() as record:
-            out = transition(adapter, x, i, schedule, eta, cond, guidance_scale, sde=sde, noise=eps,
-                             reduction=reduction, std_scale=m)
-        if keep_uncond:
-            if len(record) != 1:  # a family whose CFG bypasses DenoiserAdapter.guided records nothing
-                raise ValueError(f"{type(adapter).__name__} recorded {len(record)} unconditional predictions at "
-                                 f"step {i}, expected 1 (its CFG must go through DenoiserAdapter.guided)")
-            unconds.append(record[0])
-        x, log_probs[:, i] = out.prev_sample, out.log_prob.cpu()
-        latents.append(x)
+    with LowPrecisionSteps(adapter, precision, merge) as low_precision:
+        for i in range(steps):
+            eta = float(plan.noise_levels[i])
+            low_precision.at(eta == 0 or low_precision_stochastic)
+            eps, m = None, None
+            if eta > 0:
+                eps = torch.randn(x.shape, generator=generator,
+                                  device=generator.device if generator else "cpu").to(x.device)
+                m = noise_scale(x, i) if noise_scale is not None else None
+            if noise_scale is not None:
+                scales.append(torch.ones_like(x) if m is None else m.float())
+                draws.append(torch.zeros_like(x) if eps is None else eps)
+            with adapter.recording_uncond() if keep_uncond else contextlib.nullcontext() as record:
+                out = transition(adapter, x, i, schedule, eta, cond, guidance_scale, sde=sde, noise=eps,
+                                 reduction=reduction, std_scale=m)
+            if keep_uncond:
+                if len(record) != 1:  # a family whose CFG bypasses DenoiserAdapter.guided records nothing
+                    raise ValueError(f"{type(adapter).__name__} recorded {len(record)} unconditional predictions "
+                                     f"at step {i}, expected 1 (its CFG must go through DenoiserAdapter.guided)")
+                unconds.append(record[0].to(x.dtype))
+            x, log_probs[:, i] = out.prev_sample, out.log_prob.cpu()
+            latents.append(x)
     return Trajectory(torch.stack(latents, dim=1), log_probs.to(x.device), plan.trained.to(x.device),
                       plan.noise_levels, schedule.sigmas, schedule.timesteps, cond, schedule.alphas_cumprod,
                       schedule.alphas_cumprod_prev, torch.stack(scales, dim=1) if scales else None,

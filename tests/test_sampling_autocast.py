@@ -82,8 +82,9 @@ def test_an_autocast_rollout_keeps_float32_latents_close_to_the_float32_rollout(
     schedule = a.schedule(4)
     plan = plan_steps(4, 2, 0.0, "all")
     full = rollout(a, cond, noise, schedule, plan)
-    with sampling_precision(a, "bf16"):
-        low = rollout(a, cond, noise, schedule, plan)
+    low = rollout(a, cond, noise, schedule, plan, precision="bf16")
+    with sampling_precision(a, "bf16"):  # the context by itself: every call in it
+        assert torch.equal(rollout(a, cond, noise, schedule, plan).latents, low.latents)
     assert low.latents.dtype == torch.float32
     error = (low.samples - full.samples).norm() / full.samples.norm()
     assert 0 < error < 0.05
@@ -105,19 +106,89 @@ def test_the_trained_forward_and_the_evaluation_keep_full_precision(tiny_sd3_dir
 
 
 @pytest.mark.parametrize("overrides, says", [
-    (("method=flow_grpo",), "sampling.autocast must be none for flow_grpo, whose rollouts are sde"),
-    (("method=ddpo",), "sampling.autocast must be none for ddpo"),
-    (("method=gdro", "data.offline_groups=nowhere"), "whose rollouts are offline"),
+    (("method=gdro", "data.offline_groups=nowhere"), "sampling.autocast must be none for gdro"),
+    (("method=branch_grpo",), "sampling.autocast must be none for branch_grpo"),
     ((*NFT, "train.mixed_precision=bf16"), "sampling.autocast must be none under train.mixed_precision bf16"),
 ])
-def test_autocast_refuses_rollouts_with_log_probs_and_mixed_precision_before_any_model_loads(overrides, says):
+def test_autocast_is_refused_where_it_has_nothing_to_act_on_before_any_model_loads(overrides, says):
     from flowalign.config import load_config
 
     with pytest.raises(ConfigError, match=says):
         load_config(None, ["model.path=/nonexistent", *overrides, "sampling.autocast=bf16"])
     with pytest.raises(ConfigError, match="sampling.autocast must be one of"):
         load_config(None, ["model.path=/nonexistent", *NFT, "sampling.autocast=fp8"])
-    load_config(None, ["model.path=/nonexistent", *NFT, "sampling.autocast=bf16"])  # DiffusionNFT takes it
+    for method in ("diffusion_nft", "flow_grpo", "ddpo"):  # ODE rollouts, and SDE / DDIM ones
+        load_config(None, ["model.path=/nonexistent", f"method={method}", "sampling.autocast=bf16"])
+
+
+def test_a_flow_grpo_rollout_samples_its_deterministic_steps_low_and_rescores_its_trained_ones_at_ratio_one(
+        tiny_sd3_dir, tmp_path):
+    """A Flow-GRPO-Fast window: 2 SDE steps inside 4, the others ODE. Under autocast the ODE steps run in
+    bf16; the window's log-probs are sampled at full precision, so the first update's ratio is exactly 1."""
+    fast = ("method=flow_grpo", "sampling.eta=0.8", "sampling.step_mode=window", "sampling.window_size=2",
+            "sampling.window_start=1", "train.train_batch_size=8")
+    runs = {name: Trainer(tiny_config(tiny_sd3_dir, tmp_path / name, *fast, *extra, "train.epochs=1"))
+            for name, extra in (("fp32", ()), ("bf16", ("sampling.autocast=bf16",)))}
+    for r in runs.values():
+        r.train()
+    low, full = (runs[n].history[0] for n in ("bf16", "fp32"))
+    for first in (low, full):  # one minibatch: all on-policy
+        assert first["train/ratio"] == pytest.approx(1.0, abs=1e-6)
+        assert first["train/approx_kl"] < 1e-12 and first["train/clipfrac"] == 0.0
+    assert low["train/grad_norm"] != full["train/grad_norm"]  # the ODE steps did run in bf16
+
+
+def test_a_stochastic_step_sampled_in_bf16_would_not_rescore_to_its_log_prob(tiny_adapter):
+    """Why a trained step stays at full precision: rescored in float32, its log-prob is the sampled
+    one only if it was sampled in float32 (the teeth of the ratio check above)."""
+    from flowalign.rollout import transition
+
+    a = tiny_adapter
+    _lora_with_weights(a)
+    _, _, cond = _inputs(a)
+    noise, schedule = a.initial_noise(2, torch.Generator().manual_seed(0)), a.schedule(4)
+    plan = plan_steps(4, 2, 0.8, "window", window_size=1, window_start=1)
+    rescored = {}
+    for low_stochastic in (False, True):
+        traj = rollout(a, cond, noise, schedule, plan, generator=torch.Generator().manual_seed(0), precision="bf16",
+                       low_precision_stochastic=low_stochastic)
+        with torch.no_grad():
+            again = transition(a, traj.latents[:, 1], 1, schedule, 0.8, cond, 1.0, prev_sample=traj.latents[:, 2])
+        rescored[low_stochastic] = (again.log_prob - traj.log_probs[:, 1]).abs().max()
+    assert rescored[False] == 0
+    assert rescored[True] > 1e-4
+
+
+def test_rollout_steps_switch_precision_and_give_the_weights_back_even_when_a_step_fails(tiny_adapter):
+    a = tiny_adapter
+    _lora_with_weights(a)
+    _, _, cond = _inputs(a)
+    noise = a.initial_noise(2, torch.Generator().manual_seed(0))
+    frozen = [p.detach().clone() for p in a.model.parameters() if not p.requires_grad]
+    dtypes, predict = [], a.predict
+
+    def spy(*args, **kwargs):
+        out = predict(*args, **kwargs)
+        dtypes.append(out.dtype)
+        if len(dtypes) == 4:
+            raise RuntimeError("a step fails")
+        return out
+
+    a.predict = spy
+    plan = plan_steps(4, 2, 0.7, "window", window_size=1, window_start=1)  # step 1 stochastic, the rest ODE
+    with pytest.raises(RuntimeError, match="a step fails"):
+        rollout(a, cond, noise, a.schedule(4), plan, generator=torch.Generator().manual_seed(0), precision="bf16")
+    assert dtypes == [torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16]
+    assert all(torch.equal(p, f) for p, f in zip((p for p in a.model.parameters() if not p.requires_grad), frozen))
+
+
+def test_masked_unmasking_has_no_step_to_autocast_and_is_refused_once_the_family_is_known():
+    from flowalign.config import autocast_applies, load_config
+    from flowalign.objectives.base import OBJECTIVES
+
+    config = load_config(None, ["model.path=/nonexistent", "method=ddpo", "sampling.autocast=bf16"])
+    applies = {cls.__name__: autocast_applies(cls, config) for cls in OBJECTIVES["ddpo"]}
+    assert applies == {"DDPO": True, "MaskedDDPO": False}  # preflight.check_loaded_adapter refuses the second
 
 
 def test_auto_is_bf16_exactly_where_the_device_multiplies_bf16_natively(monkeypatch):
