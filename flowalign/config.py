@@ -90,9 +90,9 @@ class SamplingConfig:
     # the sampling policy's denoiser calls under torch.autocast at this precision (bf16 | fp16), with a
     # LoRA merged into the weights: every rollout step whose log-prob no update rescores (all of an ODE
     # rollout's steps: DiffusionNFT, AWM, ...; a Flow-GRPO / DanceGRPO / DDPO rollout's deterministic
-    # steps, its trained ones staying at full precision so the first ratio is 1), and the update's forwards
-    # of the policy that sampled them (DiffusionNFT's v_old); the latents and the solver's arithmetic stay
-    # float32; the trained forward, the reference policy and the evaluation keep train.mixed_precision.
+    # steps, its trained ones staying at full precision so the first ratio is 1); the latents and the
+    # solver's arithmetic stay float32; every update forward (DiffusionNFT's v_old included: in bf16 it moved
+    # each term's gradient by 8-18 %) and the evaluation keep train.mixed_precision.
     # none: as training; auto: bf16 where the device has fast bf16 (a CUDA GPU with bf16, a CPU with AMX),
     # else none: elsewhere bf16 is slower than float32 (docs/performance.md, "Sampling in bf16")
     autocast: str = "none"

@@ -1,9 +1,9 @@
 """``sampling.autocast``: the sampling policy's forward passes at a lower precision on a merged LoRA.
 
 ``merged_lora`` is the same function as the unmerged LoRA up to float rounding and gives the base
-weights back exactly; the "sampler" policy folds in the swapped-in weights, not the trained ones;
-rollouts keep float32 latents; the trained forward and the evaluation do not change; methods whose
-rollouts carry log-probabilities, and runs under mixed precision, are refused before any model loads."""
+weights back exactly; rollouts keep float32 latents, run their steps without a trained log-prob in bf16
+and keep the first ratio at 1; the update's forwards (DiffusionNFT's v_old included) and the
+evaluation do not change; settings with nothing to act on are refused."""
 
 from __future__ import annotations
 
@@ -54,26 +54,6 @@ def test_a_merged_lora_predicts_as_the_unmerged_one_and_gives_the_base_weights_b
     assert torch.equal(after, unmerged)
 
 
-def test_the_sampler_policy_folds_in_the_swapped_in_weights_at_the_sampling_precision(tiny_sd3_dir, tmp_path):
-    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, *NFT, "sampling.autocast=bf16"))
-    ctx, a = trainer.objective.ctx, trainer.adapter
-    params = [p for p in a.model.parameters() if p.requires_grad]
-    x, t, cond = _inputs(a)
-    old = EMA(params, 0.0)
-    with torch.no_grad():
-        for p in params:  # θ moves away from the old copy
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.3)
-        v_theta = ctx.predict(x, t, cond)
-        v_old = ctx.predict(x, t, cond, policy="old", weights=old)
-        v_sampler = ctx.predict(x, t, cond, policy="sampler", weights=old)
-        v_theta_after = ctx.predict(x, t, cond)
-    assert v_sampler.dtype == torch.bfloat16 and v_old.dtype == torch.float32
-    to_old, to_theta = (v_sampler.float() - v_old).norm(), (v_sampler.float() - v_theta).norm()
-    assert to_old <= 0.03 * v_old.norm()  # the old weights, in bf16 ...
-    assert to_theta > 5 * to_old  # ... not θ's: the merge took the swapped-in copy
-    assert torch.equal(v_theta_after, v_theta)  # θ and the base weights are back
-
-
 def test_an_autocast_rollout_keeps_float32_latents_close_to_the_float32_rollout(tiny_adapter):
     a = tiny_adapter
     _lora_with_weights(a)
@@ -101,8 +81,11 @@ def test_the_trained_forward_and_the_evaluation_keep_full_precision(tiny_sd3_dir
     assert all(h["train/grad_norm"] > 0 for h in runs["bf16"].history)
     a = runs["bf16"].adapter
     x, t, cond = _inputs(a)
-    out = runs["bf16"].objective.ctx.predict(x, t, cond)
+    ctx = runs["bf16"].objective.ctx
+    out = ctx.predict(x, t, cond)
     assert out.dtype == torch.float32 and out.requires_grad
+    with torch.no_grad():  # v_old too: in bf16 it moved each DiffusionNFT term's gradient by 8-18 %
+        assert ctx.predict(x, t, cond, policy="old", weights=EMA(runs["bf16"].params, 0.0)).dtype == torch.float32
 
 
 @pytest.mark.parametrize("overrides, says", [

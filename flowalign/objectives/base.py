@@ -58,7 +58,6 @@ from typing import TYPE_CHECKING, ClassVar, Iterator, Literal, Protocol
 import torch
 
 from flowalign.errors import ConfigError
-from flowalign.rollout import sampling_precision
 
 if TYPE_CHECKING:  # the config is built from this registry: imported for the annotations only
     from flowalign.config import RunConfig
@@ -71,7 +70,7 @@ if TYPE_CHECKING:  # the config is built from this registry: imported for the an
     from pipelines.unmasking import MaskedTrajectory
 
 Rule = tuple[str, bool, str]  # (key, holds, message): ``check`` raises ConfigError on the first broken one
-Policy = Literal["theta", "ref", "old", "sampler"]
+Policy = Literal["theta", "ref", "old"]
 
 
 # -- what every objective computes the same way --------------------------------------------------
@@ -192,9 +191,8 @@ class Context:
         """The module to pass as ``model=`` for a forward pass of ``which`` policy, chosen here once:
         "theta" the trained weights through the training wrapper (with grad); "ref" the reference
         (``adapter.reference()``, through ``reference_model``; no grad); "old" the copy ``weights``
-        swapped in (an old / rollout / EMA policy; no grad); "sampler" the same for the weights
-        that sampled the epoch's rollouts, at the rollouts' precision (``sampling.autocast``). Swap
-        before θ's forward: swapping weights in later would break its graph."""
+        swapped in (an old / rollout / EMA policy; no grad). Swap before θ's forward: swapping
+        weights in later would break its graph."""
         if which == "theta":
             yield self.model
             return
@@ -202,15 +200,13 @@ class Context:
             if which == "ref":
                 with self.adapter.reference():
                     yield self.reference_model
-            elif which in ("old", "sampler"):
+            elif which == "old":
                 if weights is None:
-                    raise ValueError(f"policy {which!r} needs the weights to swap in")
-                # swapped in first: a merged LoRA (sampling.autocast) folds in the weights it finds
-                with weights.swapped_in(), sampling_precision(self.adapter, self.config.sampling.autocast if which == "sampler"
-                                                              else "none", merge=not self.dist.sharded):
+                    raise ValueError("policy 'old' needs the weights to swap in")
+                with weights.swapped_in():
                     yield self.model
             else:
-                raise ValueError(f"policy must be theta, ref, old or sampler, got {which!r}")
+                raise ValueError(f"policy must be theta, ref or old, got {which!r}")
 
     def predict(self, x: torch.Tensor, t: torch.Tensor | None, cond: Conditioning, guidance_scale: float = 1.0, *,
                 policy: Policy = "theta", weights: EMA | None = None) -> torch.Tensor:

@@ -179,7 +179,7 @@ class DiffusionNFT(ForwardProcessObjective):
         ctx, t, cond = self.ctx, self.config.train, mb.traj.cond
         x0, x_t, sigma, timestep, _ = self.noised(mb, j)
         # v_old and v_ref before v_θ's forward: swapping weights in later would break its graph
-        v_old = ctx.predict(x_t, timestep, cond, policy="sampler", weights=self.old)
+        v_old = ctx.predict(x_t, timestep, cond, policy="old", weights=self.old)
         v_ref = ctx.predict(x_t, timestep, cond, policy="ref") if t.kl_beta > 0 else None
         v_theta = self.predict_theta(x_t, timestep, cond)
         r, masks, elem_weight = self.parts(mb, x0, x_t, sigma, v_theta, v_old)
