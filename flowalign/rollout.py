@@ -95,7 +95,7 @@ def resolved_autocast(precision: str, device) -> str:
 
 @contextlib.contextmanager
 def sampling_precision(adapter, precision: str, merge: bool = True):
-    """``sampling.autocast``: the sampling policy's denoiser calls under ``torch.autocast`` at ``precision``
+    """``sampling.autocast``: the denoiser calls inside run under ``torch.autocast`` at ``precision``
     (bf16 | fp16 | auto, ``resolved_autocast``) on the adapter's device and, with ``merge`` (weights not
     sharded), a LoRA merged into the weights (``adapter.merged_lora``: under autocast the three products
     of an unmerged LoRA layer, each weight cast anew, cost about as much as the rest of the model);

@@ -175,7 +175,7 @@ class Trainer:
             log.info("determinism: %s (the same seed and these give the same numbers)",
                      ", ".join(f"{k} {v}" for k, v in run_environment().items()))
             if cfg.sampling.autocast != "none":
-                log.info("sampling.autocast %s: the sampling policy's forwards run at %s", cfg.sampling.autocast,
+                log.info("sampling.autocast %s: rollout steps without a trained log-prob run at %s", cfg.sampling.autocast,
                          resolved_autocast(cfg.sampling.autocast, self.adapter.device))
             if "before" not in self.evals:
                 self.evals["before"] = self.evaluate("before")
