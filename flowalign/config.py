@@ -87,14 +87,8 @@ class SamplingConfig:
     window_stride: Annotated[int, at_least(1)] = 1  # steps the window moves each time it slides
     shared_group_noise: bool = False  # one initial noise per prompt group
     log_prob_reduction: str = "mean"  # mean | sum over latent elements
-    # the sampling policy's denoiser calls under torch.autocast at this precision (bf16 | fp16), with a
-    # LoRA merged into the weights: every rollout step whose log-prob no update rescores (all of an ODE
-    # rollout's steps: DiffusionNFT, AWM, ...; a Flow-GRPO / DanceGRPO / DDPO rollout's deterministic
-    # steps, its trained ones staying at full precision so the first ratio is 1); the latents and the
-    # solver's arithmetic stay float32; every update forward (DiffusionNFT's v_old included: in bf16 it moved
-    # each term's gradient by 8-18 %) and the evaluation keep train.mixed_precision.
-    # none: as training; auto: bf16 where the device has fast bf16 (a CUDA GPU with bf16, a CPU with AMX),
-    # else none: elsewhere bf16 is slower than float32 (docs/performance.md, "Sampling in bf16")
+    # rollout steps whose log-prob no update rescores under torch.autocast on a merged LoRA (updates, evaluation:
+    # as training); none; auto: bf16 where fast (AMX CPU, CUDA bf16), else none (docs/performance.md, "Sampling in bf16")
     autocast: str = "none"
     # masked discrete diffusion (model.family chess, pipelines/unmasking.py): how many
     # positions each of the num_steps steps unmasks (cosine | linear) and the sampling temperature
@@ -415,15 +409,6 @@ def check_types(config: RunConfig, where: str = "RunConfig") -> None:
     _build(RunConfig, to_dict(config), "", where)
 
 
-AUTOCAST_REFUSAL = ("must be none for {}: only flow and DDIM rollouts sampled one by one have steps to run at a "
-                    "lower precision (not offline groups, trees or masked unmasking)")
-
-
-def autocast_applies(objective_cls, config: RunConfig) -> bool:
-    """Whether ``sampling.autocast`` has steps to act on in ``objective_cls``'s rollouts."""
-    return objective_cls.rollout in ("ode", "sde") and objective_cls.tree_shape(config) is None
-
-
 def check_values(config: RunConfig, where: str = "config") -> None:
     """Types (``check_types``: a config built in Python gets the checks of a file), then cross-field
     checks that types alone cannot express. A failure names the key and where its value came from
@@ -483,12 +468,12 @@ def check_values(config: RunConfig, where: str = "config") -> None:
         ("sampling.temperature", s.temperature > 0, "must be > 0"),
         ("train.advantage_baseline", t.advantage_baseline == "group" or not (t.per_prompt_stats or t.global_std),
          "leave_one_out cannot be combined with train.per_prompt_stats or train.global_std"),
-        ("sampling.autocast", s.autocast == "none" or t.mixed_precision == "no",
-         f"must be none under train.mixed_precision {t.mixed_precision}: Accelerate already runs every forward, "
-         "the rollouts' included, at the training's precision"),
+        ("sampling.autocast", s.autocast == "none" or t.mixed_precision == "no", f"must be none under "
+         f"train.mixed_precision {t.mixed_precision}: Accelerate already runs every forward at that precision"),
     ]
     from flowalign import experimental
     from flowalign.objectives.base import OBJECTIVES, methods
+    from flowalign.rollout import AUTOCAST_REFUSAL, autocast_applies
 
     if config.method not in methods():
         raise ConfigError(f"{source_of(config, 'method', where)}: method must be one of {', '.join(methods())}, got {config.method!r}")

@@ -24,7 +24,7 @@ import torch
 from flowalign.arguments import check_kinds
 from flowalign.run_folder import check_ownership
 from flowalign.untrusted import check_model_folder
-from flowalign.config import AUTOCAST_REFUSAL, ConfigError, RunConfig, autocast_applies, check_values, source_of
+from flowalign.config import ConfigError, RunConfig, check_values, source_of
 
 def family_prediction(family: str) -> str | None:
     """The ``prediction`` of a family's adapter class (None for an unknown family: the error comes
@@ -209,6 +209,8 @@ def check_loaded_adapter(config: RunConfig, adapter, objective_cls) -> None:
                           f"which only DiffusionNFT with ODE rollouts trains (sampling.eta: 0); got method "
                           f"{config.method!r}, sampling.eta {config.sampling.eta}: use method: diffusion_nft "
                           f"with sampling.eta=0, or a model with sampling_order joint")
+    from flowalign.rollout import AUTOCAST_REFUSAL, autocast_applies
+
     if config.sampling.autocast != "none" and not autocast_applies(objective_cls, config):
         raise ConfigError(f"{source_of(config, 'sampling.autocast')}: sampling.autocast "
                           f"{AUTOCAST_REFUSAL.format(f'{config.method} on model family {m.family!r}')}")

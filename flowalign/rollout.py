@@ -86,6 +86,15 @@ def native_bf16(device) -> bool:
     return device.type == "cpu" and amx is not None and amx()
 
 
+AUTOCAST_REFUSAL = ("must be none for {}: only flow and DDIM rollouts sampled one by one have steps to run at a "
+                    "lower precision (not offline groups, trees or masked unmasking)")
+
+
+def autocast_applies(objective_cls, config) -> bool:
+    """Whether ``sampling.autocast`` has steps to act on in ``objective_cls``'s rollouts."""
+    return objective_cls.rollout in ("ode", "sde") and objective_cls.tree_shape(config) is None
+
+
 def resolved_autocast(precision: str, device) -> str:
     """``sampling.autocast`` as it runs on ``device``: auto → bf16 where ``native_bf16``, else none."""
     if precision == "auto":

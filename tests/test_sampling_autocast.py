@@ -166,7 +166,8 @@ def test_rollout_steps_switch_precision_and_give_the_weights_back_even_when_a_st
 
 
 def test_masked_unmasking_has_no_step_to_autocast_and_is_refused_once_the_family_is_known():
-    from flowalign.config import autocast_applies, load_config
+    from flowalign.config import load_config
+    from flowalign.rollout import autocast_applies
     from flowalign.objectives.base import OBJECTIVES
 
     config = load_config(None, ["model.path=/nonexistent", "method=ddpo", "sampling.autocast=bf16"])
